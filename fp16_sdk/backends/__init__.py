@@ -1,0 +1,1 @@
+"""Backends: where a training job runs. See base.py for the interface."""
