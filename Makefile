@@ -1,0 +1,30 @@
+# fp16_sdk developer entry points. `make demo` and `make test` install first (once).
+PYTHON ?= python3
+STAMP := .make-install.stamp
+
+.PHONY: install demo test test-fast image image-gpu bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg setup.py constraints.txt
+	$(PYTHON) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PYTHON) -m pip install -q -c constraints.txt -e ".[test]"
+	@touch $(STAMP)
+
+demo: install
+	$(PYTHON) examples/run_demo.py
+
+test: install
+	$(PYTHON) -m pytest -q -ra
+
+test-fast: install
+	$(PYTHON) -m pytest -q -ra -m "not slow and not docker"
+
+image: install
+	bash container/build_image.sh cpu
+
+image-gpu: install
+	bash container/build_image.sh gpu
+
+clean:
+	rm -rf $(STAMP) build dist *.egg-info fp16_sdk_jobs .pytest_cache

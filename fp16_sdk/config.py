@@ -1,0 +1,330 @@
+"""The one schema for the `distribution` dict, shared by the SDK and the smp runtime.
+
+The estimator validates `distribution` with `DistributionConfig.parse` before anything starts;
+inside the job, `smp.init()` parses the `mp_parameters` hyperparameter (env `SM_HP_MP_PARAMETERS`)
+with `parse_mp_parameters`, the same `SMPParameters` class. No torch import here.
+
+World-size rule (adopted): the world size `instance_count * processes_per_host` must be divisible
+by `pipeline_parallel_degree * tensor_parallel_degree`. That is exactly what smp needs
+(`rdp = size / (pp * tp)` must be an integer); a per-host rule would wrongly refuse valid layouts
+such as pp=4 over 2 hosts of 2 processes with placement "spread". When `processes_per_host` is
+not given (one process per GPU, decided inside the container) the rule is checked by `smp.init()`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+__all__ = [
+    "SMPParameters",
+    "MPIConfig",
+    "DistributionConfig",
+    "parse_mp_parameters",
+    "PLACEMENT_PERMUTATIONS",
+]
+
+SMP_KEY = "smdistributed.modelparallel.parameters"
+PLACEMENT_PERMUTATIONS = tuple("".join(p) for p in itertools.permutations("DPT"))
+_PLACEMENTS = ("cluster", "spread") + PLACEMENT_PERMUTATIONS
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True,
+                              validate_default=True)
+
+
+class SMPParameters(_Strict):
+    """smp v1 parameters (the `parameters` dict of `smdistributed.modelparallel`)."""
+
+    pipeline_parallel_degree: int = Field(
+        1, ge=1, alias="partitions",
+        description="Number of pipeline stages (alias: partitions).")
+    microbatches: int = Field(
+        1, ge=1, description="Microbatches per step; the batch size must be divisible by it.")
+    pipeline: Literal["interleaved", "simple"] = Field(
+        "interleaved", description="Pipeline schedule: interleaved (1F1B-like) or simple (GPipe).")
+    optimize: Literal["memory", "speed"] = Field(
+        "memory", description="Partitioning goal; sets the memory_weight default (0.8 / 0.2).")
+    placement_strategy: str = Field(
+        "cluster", description='Rank layout: "cluster" (=DPT), "spread" (=TPD) or a permutation '
+                               'of D, P, T; the rightmost letter varies fastest.')
+    auto_partition: bool = Field(True, description="Partition the model automatically.")
+    default_partition: int = Field(
+        0, ge=0, description="Stage of modules not placed with smp.partition; required when "
+                             "auto_partition is False; < pipeline_parallel_degree.")
+    memory_weight: Optional[float] = Field(
+        None, description="Weight of parameter memory versus compute in auto partitioning, in "
+                          "[0, 1]; default 0.8, or 0.2 with optimize=speed.")
+    ddp: bool = Field(False, description="Data parallelism through the smp DDP engine; required "
+                                         "when tensor_parallel_degree > 1.")
+    active_microbatches: Optional[int] = Field(
+        None, ge=1, description="Most microbatches in flight in the pipeline; default pp + 2.")
+    deterministic_server: bool = Field(False, description="Deterministic pipeline execution.")
+    offload_activations: bool = Field(False, description="Offload checkpointed activations to CPU.")
+    activation_loading_horizon: int = Field(
+        4, gt=0, description="Activations loaded ahead when offloading.")
+    tensor_parallel_degree: int = Field(1, ge=1, description="Tensor-parallel group size.")
+    fp16: bool = Field(False, description="FP16 training: FP16_Module and the FP16 optimizer.")
+    bf16: bool = Field(False, description="BF16 training (no loss scaling); exclusive with fp16.")
+    fp16_params: bool = Field(False, description="Initialise distributed modules in fp16.")
+    shard_optimizer_state: bool = Field(False, description="Shard optimizer state over the "
+                                                           "data-parallel ranks.")
+    prescaled_batch: bool = Field(
+        False, description="TP ranks of one RDP group read the same batch (sharded by rdp_rank).")
+    skip_tracing: bool = Field(False, description="Skip the tracing step before partitioning.")
+    delayed_parameter_initialization: bool = Field(
+        False, description="Create parameters lazily, after partitioning.")
+    sharded_data_parallel_degree: int = Field(1, ge=1, description="Sharded data parallelism "
+                                                                   "degree.")
+    ddp_dist_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Backend of the data-parallel groups; auto = NCCL on GPU, else Gloo.")
+    horovod: bool = Field(False, description="TensorFlow only: accepted, ignored with a warning.")
+    contiguous: bool = Field(True, description="TensorFlow only: accepted, ignored.")
+
+    @field_validator("placement_strategy")
+    @classmethod
+    def _placement(cls, v: str) -> str:
+        if v not in _PLACEMENTS:
+            raise ValueError(f"must be one of {', '.join(_PLACEMENTS)}")
+        return v
+
+    @field_validator("memory_weight")
+    @classmethod
+    def _weight(cls, v: Optional[float]) -> Optional[float]:
+        if v is not None and not 0.0 <= v <= 1.0:
+            raise ValueError("must be in [0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "SMPParameters":
+        pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
+        if tp > 1 and not self.ddp:
+            raise ValueError(f"tensor_parallel_degree={tp} needs ddp=True: set \"ddp\": True")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16=True and bf16=True are exclusive: keep only one of them")
+        if self.ddp and self.horovod:
+            raise ValueError("ddp=True and horovod=True are exclusive: horovod is TensorFlow "
+                             "only, remove it")
+        if self.default_partition >= pp:
+            raise ValueError(f"default_partition={self.default_partition} must be < "
+                             f"pipeline_parallel_degree={pp}: use a stage in 0..{pp - 1}")
+        if not self.auto_partition and "default_partition" not in self.model_fields_set:
+            raise ValueError("auto_partition=False needs default_partition: set "
+                             "\"default_partition\" to a stage in 0..{}".format(pp - 1))
+        if self.horovod:
+            warnings.warn("smp parameter horovod is TensorFlow only; ignored", stacklevel=2)
+        # Resolve the defaults that depend on other keys (the object is frozen: bypass once).
+        if self.memory_weight is None:
+            object.__setattr__(self, "memory_weight", 0.2 if self.optimize == "speed" else 0.8)
+        if self.active_microbatches is None:
+            object.__setattr__(self, "active_microbatches", pp + 2)
+        return self
+
+    @property
+    def partitions(self) -> int:
+        return self.pipeline_parallel_degree
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ConfigError unless pp * tp divides `world_size`."""
+        pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
+        if world_size % (pp * tp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by pipeline_parallel_degree * "
+                f"tensor_parallel_degree = {pp} * {tp} = {pp * tp}: choose instance_count * "
+                f"processes_per_host as a multiple of {pp * tp}",
+                key="processes_per_host", value=world_size)
+
+    def to_hyperparameter(self) -> dict[str, Any]:
+        """The `mp_parameters` hyperparameter: the keys the user set, under their own names."""
+        return self.model_dump(include=self.model_fields_set, by_alias=False)
+
+
+class MPIConfig(_Strict):
+    """The `mpi` block of `distribution`."""
+
+    enabled: bool = Field(False, description="Launch one process per GPU (or processes_per_host).")
+    processes_per_host: Optional[int] = Field(
+        None, ge=1, description="Processes per host; default: the host's GPU count, else 1.")
+    custom_mpi_options: str = Field(
+        "", description="mpirun options; -x NAME[=value] exports are applied, others are "
+                        "logged as not applied (we launch with torchrun).")
+
+
+class _Enabled(_Strict):
+    enabled: bool = Field(False, description="Enable this launcher.")
+
+
+class _ModelParallel(_Strict):
+    enabled: bool = Field(False, description="Enable smp model parallelism.")
+    parameters: SMPParameters = Field(default_factory=SMPParameters,
+                                      description="smp parameters (dict or path to a JSON file).")
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _from_file(cls, v: Any) -> Any:
+        if isinstance(v, (str, Path)):
+            path = Path(v)
+            if not path.is_file():
+                raise ValueError(f"is a path ({v}) but no such JSON file exists: give a dict "
+                                 "or the path of a JSON file")
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"file {v} is not valid JSON ({exc}): fix the file") from None
+        return v
+
+
+class _SMDistributed(_Strict):
+    modelparallel: Optional[_ModelParallel] = Field(None, description="smp v1 model parallelism.")
+
+
+class _Distribution(_Strict):
+    smdistributed: Optional[_SMDistributed] = Field(None, description="SageMaker distributed.")
+    mpi: Optional[MPIConfig] = Field(None, description="MPI-style launch (we use torchrun).")
+    torch_distributed: Optional[_Enabled] = Field(None, description="torchrun launch.")
+    pytorchddp: Optional[_Enabled] = Field(None, description="PyTorch DDP launch.")
+
+
+class DistributionConfig:
+    """A validated `distribution` dict.
+
+    Attributes:
+        smp: the smp parameters when model parallelism is enabled, else None.
+        mpi: the mpi block when given, else None.
+        torch_distributed: whether a torchrun launch was asked for without mpi/smp.
+    """
+
+    def __init__(self, raw: _Distribution, instance_type: str | None):
+        mp = raw.smdistributed.modelparallel if raw.smdistributed else None
+        self.smp: SMPParameters | None = mp.parameters if mp and mp.enabled else None
+        self.mpi: MPIConfig | None = raw.mpi
+        self.torch_distributed = bool((raw.torch_distributed and raw.torch_distributed.enabled)
+                                      or (raw.pytorchddp and raw.pytorchddp.enabled))
+        self.instance_type = instance_type
+
+    @classmethod
+    def parse(cls, distribution: Mapping[str, Any] | None, *, instance_count: int = 1,
+              instance_type: str | None = None) -> "DistributionConfig":
+        """Validate `distribution`; raise ConfigError naming the key, the value and the fix."""
+        if distribution is not None and not isinstance(distribution, Mapping):
+            raise ConfigError(f"distribution must be a dict, got {type(distribution).__name__} "
+                              f"({distribution!r}): pass e.g. {{\"mpi\": {{\"enabled\": True}}}}",
+                              key="distribution", value=distribution)
+        try:
+            raw = _Distribution.model_validate(dict(distribution or {}))
+        except ValidationError as exc:
+            raise _config_error(exc, prefix="distribution") from None
+        cfg = cls(raw, instance_type)
+        pph = cfg.mpi.processes_per_host if cfg.mpi else None
+        if cfg.smp is not None and pph is not None:
+            cfg.smp.check_world_size(instance_count * pph)
+        return cfg
+
+    @property
+    def processes_per_host(self) -> int | None:
+        return self.mpi.processes_per_host if self.mpi else None
+
+    @property
+    def distributed(self) -> bool:
+        return bool(self.smp or (self.mpi and self.mpi.enabled) or self.torch_distributed)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Raw (not yet JSON-encoded) hyperparameters the distribution adds, as SageMaker's SDK."""
+        hps: dict[str, Any] = {}
+        if self.mpi is not None or self.smp is not None:
+            mpi = self.mpi or MPIConfig(enabled=True)
+            hps["sagemaker_mpi_enabled"] = bool(mpi.enabled or self.smp is not None)
+            if mpi.processes_per_host is not None:
+                hps["sagemaker_mpi_num_of_processes_per_host"] = mpi.processes_per_host
+            hps["sagemaker_mpi_custom_mpi_options"] = mpi.custom_mpi_options
+        if self.torch_distributed:
+            hps["sagemaker_torch_distributed_enabled"] = True
+        if self.smp is not None:
+            hps["mp_parameters"] = self.smp.to_hyperparameter()
+        if hps and self.instance_type:
+            hps["sagemaker_instance_type"] = self.instance_type
+        return hps
+
+
+def parse_mp_parameters(value: Mapping[str, Any] | str | None,
+                        defaults: Mapping[str, Any] | None = None) -> SMPParameters:
+    """Parse smp parameters from a dict or JSON text (e.g. env SM_HP_MP_PARAMETERS).
+
+    Args:
+        value: the parameters; keys set here win.
+        defaults: keys used where `value` does not set them (the dict given to smp.init()).
+    Raises:
+        ConfigError: unknown key, bad value or bad combination, naming key, value and fix.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"SM_HP_MP_PARAMETERS is not valid JSON ({exc}): it must be the "
+                              "JSON object of smp parameters", key="mp_parameters",
+                              value=value) from None
+    merged = {**dict(defaults or {}), **dict(value or {})}
+    if "partitions" in merged and "pipeline_parallel_degree" in merged:
+        merged.pop("partitions")  # the canonical name wins when both are given
+    try:
+        return SMPParameters.model_validate(merged)
+    except ValidationError as exc:
+        raise _config_error(exc, prefix=SMP_KEY) from None
+
+
+def _known_keys(model: type[BaseModel]) -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(name)
+        if field.alias:
+            keys.append(field.alias)
+    return keys
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the field at `loc` (for suggesting close key names)."""
+    model: Any = _Distribution
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return model if model is not _Distribution or len(loc) == 1 else None
+        ann = field.annotation
+        inner = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)
+                 and issubclass(a, BaseModel)]
+        if not inner:
+            return None
+        model = inner[0]
+    return model
+
+
+def _config_error(exc: ValidationError, *, prefix: str) -> ConfigError:
+    """Turn pydantic's error list into one ConfigError naming key, value and fix."""
+    lines, first_key, first_value = [], None, None
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        key = ".".join([prefix, *map(str, loc)]) if loc else prefix
+        value = err.get("input")
+        kind, msg = err["type"], err["msg"].removeprefix("Value error, ")
+        if kind == "extra_forbidden":
+            owner = SMPParameters if prefix == SMP_KEY else _model_at(loc)
+            known = _known_keys(owner) if owner else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            line = f"{key}: unknown key (value {value!r}); {hint}"
+        elif not loc or isinstance(value, Mapping):
+            line = f"{key}: {msg}"  # a cross-field rule: the message names the keys
+        else:
+            line = f"{key}={value!r} is invalid: {msg}; fix the value of {loc[-1]!r}"
+        lines.append(line)
+        if first_key is None:
+            first_key, first_value = key, value
+    return ConfigError("; ".join(lines), key=first_key, value=first_value)

@@ -1,0 +1,121 @@
+"""The distribution schema: defaults, aliases, cross-field rules and error messages (pure CPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fp16_sdk.config import DistributionConfig, SMPParameters, parse_mp_parameters
+from fp16_sdk.errors import ConfigError
+
+# Every key and default of the smp table (smp-v1-api.md §2), written from the spec.
+SPEC_DEFAULTS = {
+    "pipeline_parallel_degree": 1, "microbatches": 1, "pipeline": "interleaved",
+    "optimize": "memory", "placement_strategy": "cluster", "auto_partition": True,
+    "default_partition": 0, "memory_weight": 0.8, "ddp": False, "active_microbatches": 3,
+    "deterministic_server": False, "offload_activations": False,
+    "activation_loading_horizon": 4, "tensor_parallel_degree": 1, "fp16": False, "bf16": False,
+    "fp16_params": False, "shard_optimizer_state": False, "prescaled_batch": False,
+    "skip_tracing": False, "delayed_parameter_initialization": False,
+    "sharded_data_parallel_degree": 1, "ddp_dist_backend": "auto", "horovod": False,
+    "contiguous": True,
+}
+
+
+def smp(params, mpi=None):
+    d = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": params}}}
+    if mpi is not None:
+        d["mpi"] = mpi
+    return d
+
+
+def test_every_key_has_its_spec_default():
+    p = parse_mp_parameters(None)
+    assert p.model_dump() == SPEC_DEFAULTS
+
+
+def test_resolved_defaults_follow_other_keys():
+    assert parse_mp_parameters({"optimize": "speed"}).memory_weight == 0.2
+    assert parse_mp_parameters({"partitions": 4}).active_microbatches == 6
+    assert parse_mp_parameters({"partitions": 4, "active_microbatches": 2}).active_microbatches == 2
+
+
+def test_partitions_is_an_alias():
+    p = parse_mp_parameters({"partitions": 2})
+    assert p.pipeline_parallel_degree == 2 and p.partitions == 2
+
+
+def test_environment_wins_over_init_dict():
+    p = parse_mp_parameters(json.dumps({"microbatches": 4}), {"microbatches": 2, "fp16": True})
+    assert (p.microbatches, p.fp16) == (4, True)
+
+
+def test_parameters_from_a_json_file(tmp_path):
+    f = tmp_path / "smp.json"
+    f.write_text(json.dumps({"microbatches": 8, "partitions": 2}))
+    cfg = DistributionConfig.parse(smp(str(f)))
+    assert cfg.smp.microbatches == 8 and cfg.smp.pipeline_parallel_degree == 2
+
+
+def test_hyperparameters_carry_mp_parameters_and_mpi_keys():
+    cfg = DistributionConfig.parse(
+        smp({"partitions": 2, "microbatches": 4, "fp16": True},
+            {"enabled": True, "processes_per_host": 2, "custom_mpi_options": "-x A=1"}),
+        instance_count=2, instance_type="ml.p4d.24xlarge")
+    assert cfg.hyperparameters() == {
+        "sagemaker_mpi_enabled": True, "sagemaker_mpi_num_of_processes_per_host": 2,
+        "sagemaker_mpi_custom_mpi_options": "-x A=1",
+        "mp_parameters": {"pipeline_parallel_degree": 2, "microbatches": 4, "fp16": True},
+        "sagemaker_instance_type": "ml.p4d.24xlarge"}
+
+
+def test_no_distribution_adds_nothing():
+    assert DistributionConfig.parse(None).hyperparameters() == {}
+
+
+@pytest.mark.parametrize("dist, key", [
+    (smp({"tensor_parallel_degree": 2}), "ddp"),
+    (smp({"fp16": True, "bf16": True}), "bf16"),
+    (smp({"partitions": 2, "default_partition": 2}), "default_partition"),
+    (smp({"partitions": 2, "auto_partition": False}), "default_partition"),
+    (smp({"placement_strategy": "DDT"}), "placement_strategy"),
+    (smp({"memory_weight": 1.5}), "memory_weight"),
+    (smp({"memory_weight": -0.1}), "memory_weight"),
+    (smp({"ddp": True, "horovod": True}), "horovod"),
+    (smp({"microbatches": 0}), "microbatches"),
+    (smp({"partitions": 0}), "partitions"),
+    (smp({"active_microbatches": 0}), "active_microbatches"),
+    (smp({"pipeline": "gpipe"}), "pipeline"),
+    (smp({"optimize": "fast"}), "optimize"),
+    (smp({"ddp_dist_backend": "mpi"}), "ddp_dist_backend"),
+    (smp({"microbatchs": 2}), "microbatchs"),
+    (smp({"fp16": "yes please"}), "fp16"),
+    (smp({"partitions": 2, "tensor_parallel_degree": 2, "ddp": True},
+         {"enabled": True, "processes_per_host": 3}), "processes_per_host"),
+    ({"mpi": {"enabled": True, "processes_per_host": 0}}, "processes_per_host"),
+    ({"mpi": {"enabled": True, "custom_mpi_option": "-x A"}}, "custom_mpi_option"),
+    ({"smdistributed": {"dataparallel": {"enabled": True}}}, "dataparallel"),
+    ({"mpii": {"enabled": True}}, "mpii"),
+])
+def test_bad_distribution_names_the_key(dist, key):
+    with pytest.raises(ConfigError) as err:
+        DistributionConfig.parse(dist, instance_count=1)
+    assert key in str(err.value)
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(ConfigError, match="did you mean 'microbatches'"):
+        parse_mp_parameters({"microbatch": 2})
+
+
+def test_world_size_rule_shows_the_arithmetic():
+    p = SMPParameters(partitions=2, tensor_parallel_degree=2, ddp=True)
+    p.check_world_size(8)
+    with pytest.raises(ConfigError, match=r"2 \* 2 = 4"):
+        p.check_world_size(6)
+
+
+def test_config_imports_no_torch():
+    code = "import fp16_sdk.config, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
