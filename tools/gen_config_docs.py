@@ -49,7 +49,7 @@ def _type(field) -> str:
     ann = field.annotation
     args = [a for a in get_args(ann) if a is not type(None)]
     if get_origin(ann) is Literal:
-        return " | ".join(repr(a) for a in args)
+        return " or ".join(repr(a) for a in args)
     if args:  # Optional[X]
         return _type(type("F", (), {"annotation": args[0]}))
     return ann.__name__
