@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import warnings
 
+from ..errors import SMPConfigError
+
 __all__ = ["DynamicLossScaler", "StaticLossScaler", "DYNAMIC_LOSS_ARGS"]
 
 # Keys DistributedOptimizer accepts in dynamic_loss_args (or flattened), with smp's defaults.
@@ -51,7 +53,7 @@ class DynamicLossScaler:
             when the scale grows.
 
     Raises:
-        ValueError: an argument is out of range (the message names it and the fix).
+        SMPConfigError: an argument is out of range (the message names it and the fix).
     """
 
     def __init__(
@@ -201,4 +203,5 @@ def _is_int(value) -> bool:
 
 def _check(ok: bool, key: str, value, fix: str) -> None:
     if not ok:
-        raise ValueError(f"loss scaler argument {key} ({value!r}) is invalid; use {fix}")
+        raise SMPConfigError(f"loss scaler argument {key} ({value!r}) is invalid; use {fix}",
+                             key=key, value=value)

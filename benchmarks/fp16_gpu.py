@@ -1,0 +1,324 @@
+"""FP16 training throughput on one GPU: fp32 eager vs autocast+GradScaler vs the smp runtime.
+
+Three arms, one process, same model init, same data, same steps (spec performance.md, benchmark 1):
+  fp32      fp32 weights, fused AdamW
+  autocast  fp32 weights, torch.autocast(fp16) + torch.amp.GradScaler + fused AdamW
+  smp       smp.init({"fp16": True}) + DistributedModel + DistributedOptimizer with dynamic
+            loss scaling (fp16 weights, flat fp32 masters, fused AdamW on the masters)
+Every arm clips the gradient norm to 1.0 (the seed script's clip_master_grads) unless --no-clip.
+
+Reported per arm: tokens/s, MFU (FLOPs/token = 6N + 12 L h s, N = parameters without the
+token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimizer-step time
+(CUDA events from the end of backward to the end of step, clip included) against its floor
+28 N_total / 4.3e12 s, and the final loss.
+
+    python benchmarks/fp16_gpu.py --preset 350m --preset 1.3b --out benchmarks/results/fp16_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRESETS = {
+    "350m": dict(layers=24, hidden=1024, heads=16, seq=1024, batch=16, vocab=50304),
+    "1.3b": dict(layers=24, hidden=2048, heads=16, seq=2048, batch=8, vocab=50304),
+    "tiny": dict(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=512),  # CPU smoke test
+}
+PEAK_FLOPS = 989e12      # H200 dense fp16/bf16 datasheet
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 machine
+LR, MAX_NORM = 3e-4, 1.0
+DEVICE = torch.device("cuda")
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.out = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)           # (b, s, h) each
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, h/heads)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 style decoder, lm head tied to the token embedding; returns logits."""
+
+    def __init__(self, layers, hidden, heads, seq, vocab, **_):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)  # (b, s, vocab)
+
+
+def make_batches(cfg: dict, count: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zipf-distributed tokens (a loss that falls fast and is comparable across arms)."""
+    g = torch.Generator().manual_seed(1234)
+    probs = 1.0 / (torch.arange(cfg["vocab"], dtype=torch.float64) + 10.0)
+    out = []
+    for _ in range(count):
+        tok = torch.multinomial(probs, cfg["batch"] * (cfg["seq"] + 1), True, generator=g)
+        tok = tok.view(cfg["batch"], cfg["seq"] + 1).to(device)
+        out.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+    return out
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    return total, total - model.wte.weight.numel() - model.wpe.weight.numel()
+
+
+class _HostEvent:
+    """torch.cuda.Event's record/elapsed_time on the host clock (the CPU smoke test)."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _event():
+    return torch.cuda.Event(enable_timing=True) if DEVICE.type == "cuda" else _HostEvent()
+
+
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_loop(run_step, batches, steps, warmup):
+    """run_step(x, y, ev_bwd) -> loss tensor; returns total wall s, opt-step ms, losses."""
+    losses = []
+    for i in range(warmup):
+        run_step(*batches[i % len(batches)], None)
+    _sync()
+    t0 = time.perf_counter()
+    events = []
+    for i in range(warmup, warmup + steps):
+        ev = (_event(), _event())
+        losses.append(run_step(*batches[i % len(batches)], ev[0]))
+        ev[1].record()
+        events.append(ev)
+    _sync()
+    wall = time.perf_counter() - t0
+    opt_ms = [a.elapsed_time(b) for a, b in events]
+    return wall, opt_ms, [float(l) for l in losses]
+
+
+def arm_plain(cfg, batches, steps, warmup, *, autocast: bool, clip: bool):
+    torch.manual_seed(0)
+    with DEVICE:
+        model = GPT(**cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    scaler = torch.amp.GradScaler(DEVICE.type) if autocast else None
+
+    def run_step(x, y, ev):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE.type, dtype=torch.float16, enabled=autocast):
+            loss = lm_loss(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if ev is not None:
+                ev.record()
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if ev is not None:
+                ev.record()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+        return loss.detach()
+
+    result = _timed_loop(run_step, batches, steps, warmup)
+    extra = {"loss_scale": scaler.get_scale() if scaler else None}
+    return result, count_params(model), extra, (model, opt)
+
+
+def arm_smp(cfg, batches, steps, warmup, *, clip: bool):
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import fp16_sdk.modelparallel.torch as smp
+
+    from fp16_sdk.modelparallel.torch.state import state
+
+    smp.init({"fp16": True})
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(smp.local_rank())
+    torch.manual_seed(0)
+    # Same init as the other arms: fp32 weights drawn from seed 0, then cast by FP16Module.
+    with DEVICE:
+        module = GPT(**cfg)
+    sizes = count_params(module)
+    state.model = state.optimizer = None  # one DistributedModel per process: this preset's
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
+        static_loss_scale=None, dynamic_loss_scale=True,
+        # init_scale 2**16 as GradScaler's: from smp's 2**32 the first ~17 steps would be
+        # skipped (hysteresis 2), and the arms would not have trained the same steps.
+        dynamic_loss_args={"init_scale": 2**16, "scale_window": 1000, "min_scale": 1,
+                           "delayed_shift": 2})
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def run_step(x, y, ev):
+        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, x, y).reduce_mean()
+        if ev is not None:
+            ev.record()
+        if clip:
+            opt.clip_master_grads(MAX_NORM)
+        opt.step()
+        return loss.detach()
+
+    result = _timed_loop(run_step, batches, steps, warmup)
+    extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps}
+    return result, sizes, extra, (model, opt)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarise(name, cfg, result, sizes, extra, steps) -> dict:
+    wall, opt_ms, losses = result
+    n_total, n_body = sizes
+    tokens = cfg["batch"] * cfg["seq"] * steps
+    tok_s = tokens / wall
+    flops_tok = 6 * n_body + 12 * cfg["layers"] * cfg["hidden"] * cfg["seq"]
+    floor_ms = 28 * n_total / HBM_BYTES_PER_S * 1e3
+    opt_med = sorted(opt_ms)[len(opt_ms) // 2]
+    return {
+        "arm": name, "tokens_per_s": tok_s, "step_ms": wall / steps * 1e3,
+        "mfu": tok_s * flops_tok / PEAK_FLOPS,
+        "mfu_with_lm_head": tok_s * (flops_tok + 6 * cfg["vocab"] * cfg["hidden"]) / PEAK_FLOPS,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None,
+        "opt_step_ms_median": opt_med, "opt_step_floor_ms": floor_ms,
+        "opt_step_over_floor": opt_med / floor_ms,
+        "final_loss": losses[-1], "first_timed_loss": losses[0], **extra,
+    }
+
+
+def run_preset(name, cfg, steps, warmup, clip, arms) -> dict:
+    batches = make_batches(cfg, 4, DEVICE)
+    rows = []
+    for arm in arms:
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if arm == "smp":
+            result, sizes, extra, keep = arm_smp(cfg, batches, steps, warmup, clip=clip)
+        else:
+            result, sizes, extra, keep = arm_plain(cfg, batches, steps, warmup,
+                                                   autocast=arm == "autocast", clip=clip)
+        rows.append(summarise(arm, cfg, result, sizes, extra, steps))
+        del keep
+        gc.collect()
+        print(f"  {name}/{arm}: {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
+    by = {r["arm"]: r for r in rows}
+    ratios = {}
+    if "smp" in by and "autocast" in by:
+        ratios = {"smp_over_autocast_tokens": by["smp"]["tokens_per_s"] / by["autocast"]["tokens_per_s"],
+                  "smp_minus_autocast_loss": by["smp"]["final_loss"] - by["autocast"]["final_loss"]}
+    return {"preset": name, "config": cfg, "params_total": sizes[0], "params_non_embedding": sizes[1],
+            "steps": steps, "warmup": warmup, "clip": clip, "arms": rows, "ratios": ratios}
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['preset']}: {res['params_total'] / 1e6:.0f}M params "
+          f"({res['params_non_embedding'] / 1e6:.0f}M without embeddings), "
+          f"{res['steps']} timed steps, clip={res['clip']}")
+    head = f"{'arm':9} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'opt ms':>8} {'floor':>6} {'xfloor':>6} {'loss':>8}"
+    print(head + "\n" + "-" * len(head))
+    for r in res["arms"]:
+        print(f"{r['arm']:9} {r['tokens_per_s']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_mem_gib'] or 0:9.1f} "
+              f"{r['opt_step_ms_median']:8.2f} {r['opt_step_floor_ms']:6.2f} "
+              f"{r['opt_step_over_floor']:6.2f} {r['final_loss']:8.4f}")
+    for k, v in res["ratios"].items():
+        print(f"{k}: {v:.4f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--arms", default="fp32,autocast,smp")
+    ap.add_argument("--no-clip", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                                  "fp16_gpu.json"))
+    ap.add_argument("--cpu", action="store_true", help="smoke-test the code path on CPU")
+    args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device("cpu" if args.cpu else "cuda")
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("fp16_gpu.py needs a CUDA GPU (run it on the accelerator machine), "
+                         "or --cpu for a smoke test")
+    torch.backends.cuda.matmul.allow_tf32 = False  # "fp32 eager" means real fp32 matmuls
+    results = []
+    for name in args.preset or ["350m"]:
+        res = run_preset(name, PRESETS[name], args.steps, args.warmup, not args.no_clip,
+                         args.arms.split(","))
+        print_table(res)
+        results.append(res)
+    meta = {"gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "peak_flops": PEAK_FLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+            "flops_per_token": "6*N + 12*L*h*s, N = params without wte and wpe",
+            "opt_step": "CUDA events, end of backward to end of optimizer step (clip included)"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

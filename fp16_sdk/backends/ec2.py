@@ -1,0 +1,297 @@
+"""Training jobs on plain EC2 instances: same image, same /opt/ml contract, no SageMaker.
+
+Selected by passing `fp16_sdk.session.EC2Session(...)` as the estimator's `sagemaker_session`.
+`submit` writes everything an instance needs under `<job root>/ec2/` in S3 (the job root is
+where the code goes: `s3://<bucket>/<code_location prefix>/<job>/`), launches one instance per
+host with `RunInstances` (user data rendered from `ec2_userdata.sh`), then publishes the hosts'
+private addresses (`hosts.json`). The handle waits on `ec2/status/<host>.json`, streams
+`ec2/logs/<host>.log`, and terminates every instance on stop(), failure or timeout.
+
+S3 layout of a job (next to `source/sourcedir.tar.gz`):
+    ec2/config/algo-N/{hyperparameters,resourceconfig,inputdataconfig}.json, env.sh, manifest.tsv
+    ec2/hosts.json, ec2/hosts.txt, ec2/job.json, ec2/logs/algo-N.log, ec2/status/algo-N.json
+Artifacts land where SageMaker puts them: `<output_path>/<job>/output/{model,output}.tar.gz`.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import dataclasses
+import json
+import os
+import re
+import shlex
+import time
+from typing import Any, TextIO
+
+from ..errors import BackendError, ConfigError
+from ..session import EC2Session, parse_s3_uri
+from .base import Backend, JobSpec
+from .ec2_job import EC2Job
+from .sagemaker import check_remote_spec, code_uri
+
+__all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest"]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SETTINGS_LINE = "# @@FP16_SDK_SETTINGS@@"
+USER_DATA_LIMIT = 16384  # EC2's limit on raw user data, in bytes
+
+
+def render_user_data(settings: dict[str, str]) -> str:
+    """The instance script: the template with `settings` as shell-quoted assignments."""
+    template = importlib.resources.files(__package__).joinpath("ec2_userdata.sh").read_text()
+    lines = []
+    for name, value in settings.items():
+        assert _ENV_NAME.match(name), name
+        lines.append(f"{name}={shlex.quote(str(value))}")
+    return template.replace(_SETTINGS_LINE, "\n".join(lines), 1)
+
+
+def host_configs(spec: JobSpec, *, submit_uri: str, region: str) -> dict[str, dict[str, str]]:
+    """Per host: the /opt/ml/input/config files, as the text SageMaker would write."""
+    hyperparameters = dict(spec.hyperparameters)
+    hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
+    hyperparameters.setdefault("sagemaker_region", json.dumps(region))
+    channels = {c.name: {"TrainingInputMode": c.input_mode or spec.input_mode,
+                         "S3DistributionType": c.distribution,
+                         "RecordWrapperType": c.record_wrapping or "None",
+                         **({"ContentType": c.content_type} if c.content_type else {})}
+                for c in spec.channels}
+    out = {}
+    for host in spec.hosts:
+        resources = {"current_host": host, "hosts": spec.hosts,
+                     # the instance script swaps eth0 for the real interface (exact text)
+                     "network_interface_name": "eth0",
+                     "current_instance_type": spec.instance_type,
+                     "current_group_name": "homogeneousCluster",
+                     "instance_groups": [{"instance_group_name": "homogeneousCluster",
+                                          "instance_type": spec.instance_type,
+                                          "hosts": spec.hosts}]}
+        out[host] = {"hyperparameters.json": json.dumps(hyperparameters, sort_keys=True),
+                     "resourceconfig.json": json.dumps(resources),
+                     "inputdataconfig.json": json.dumps(channels, sort_keys=True)}
+    return out
+
+
+def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
+    """Per host: `channel<TAB>s3 uri<TAB>relative path` lines of the objects it downloads.
+
+    FullyReplicated gives every host every object under the prefix; ShardedByS3Key gives host
+    i (0-based) the objects whose index in key order is i mod instance_count, as SageMaker does.
+    """
+    lines: dict[str, list[str]] = {host: [] for host in spec.hosts}
+    for channel in spec.channels:
+        bucket, prefix = parse_s3_uri(channel.uri)
+        keys = []
+        for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                        Prefix=prefix):
+            keys += [o["Key"] for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+        if not keys:
+            raise ConfigError(f"input channel {channel.name!r}: no objects under {channel.uri}",
+                              key=f"inputs[{channel.name}]", value=channel.uri)
+        base = prefix if prefix.endswith("/") or not prefix else prefix.rsplit("/", 1)[0] + "/"
+        for index, key in enumerate(sorted(keys)):
+            rel = key[len(base):] if key.startswith(base) else key.rsplit("/", 1)[-1]
+            if "\t" in key or "\n" in key:
+                raise ConfigError(f"S3 key {key!r} has a tab or newline", key="inputs", value=key)
+            targets = (spec.hosts if channel.distribution == "FullyReplicated"
+                       else [spec.hosts[index % spec.instance_count]])
+            for host in targets:
+                lines[host].append(f"{channel.name}\ts3://{bucket}/{key}\t{rel}")
+    return {host: "".join(line + "\n" for line in rows) for host, rows in lines.items()}
+
+
+def _env_script(spec: JobSpec) -> str:
+    for name, value in spec.environment.items():
+        if not _ENV_NAME.match(name):
+            raise ConfigError(f"environment variable name {name!r} is not a valid shell name",
+                              key="environment", value=name)
+    lines = [f"export {name}={shlex.quote(str(value))}" for name, value in spec.environment.items()]
+    lines.append(f"JOB_ENV_NAMES={shlex.quote(' '.join(spec.environment))}")
+    return "\n".join(lines) + "\n"
+
+
+class EC2Backend(Backend):
+    """Runs each host of a job on its own EC2 instance.
+
+    Args:
+        session: the `EC2Session` carrying the AMI, instance profile, network and image.
+        out: where status and log lines are printed.
+    """
+
+    def __init__(self, session: EC2Session, *, out: TextIO | None = None):
+        if getattr(session, "backend_name", None) != "ec2":
+            raise ConfigError("EC2Backend needs an EC2Session (fp16_sdk.session.EC2Session)",
+                              key="sagemaker_session", value=type(session).__name__)
+        self.session = session
+        self.out = out
+
+    def submit(self, spec: JobSpec) -> EC2Job:
+        """Write the job's files to S3, launch the instances, publish their addresses.
+
+        Raises:
+            ConfigError: a setting EC2 cannot honour, or an input the instances cannot read.
+            BackendError: EC2 refused to launch (instances already started are terminated).
+        """
+        settings = self.session.ec2
+        image = spec.image_uri or settings.image_uri
+        spec = _with_image(spec, image)
+        check_remote_spec(spec)
+        _check_ec2_spec(spec)
+        region = self.session.boto_region_name
+        submit_uri = code_uri(spec, self.session)
+        job_uri = submit_uri.rsplit("/source/", 1)[0]
+        output_root = (spec.output_path if spec.output_path and spec.output_path.startswith("s3://")
+                       else f"s3://{self.session.default_bucket()}/")
+        output_uri = f"{output_root.rstrip('/')}/{spec.job_name}"
+        manifests = channel_manifest(spec, self.session.client("s3"))
+        self.session.upload_file(spec.sourcedir, submit_uri)
+        env_script = _env_script(spec)
+        for host, files in host_configs(spec, submit_uri=submit_uri, region=region).items():
+            files = {**files, "env.sh": env_script, "manifest.tsv": manifests[host]}
+            for name, text in files.items():
+                self.session.upload_bytes(text.encode(), f"{job_uri}/ec2/config/{host}/{name}")
+        instances = self._launch_all(spec, job_uri=job_uri, output_uri=output_uri, region=region)
+        addresses = {host: inst["PrivateIpAddress"] for host, inst in instances.items()}
+        self.session.upload_bytes(json.dumps(addresses).encode(), f"{job_uri}/ec2/hosts.json")
+        hosts_txt = "".join(f"{ip} {host}\n" for host, ip in addresses.items())
+        self.session.upload_bytes(hosts_txt.encode(), f"{job_uri}/ec2/hosts.txt")
+        record = {"job_name": spec.job_name, "job_uri": job_uri, "output_uri": output_uri,
+                  "instance_type": spec.instance_type, "volume_size": spec.volume_size,
+                  "max_run": spec.max_run, "submitted": time.time(),
+                  "instances": {h: {"InstanceId": i["InstanceId"],
+                                    "PrivateIpAddress": i["PrivateIpAddress"]}
+                                for h, i in instances.items()}}
+        self.session.upload_bytes(json.dumps(record, indent=1).encode(), f"{job_uri}/ec2/job.json")
+        return EC2Job(self.session, record, out=self.out)
+
+    def attach(self, job_uri: str) -> EC2Job:
+        """A handle on a job from its S3 root (`s3://bucket/[prefix/]<job>`).
+
+        Raises:
+            BackendError: no EC2 job record under that root.
+        """
+        raw = self.session.read_bytes(f"{job_uri.rstrip('/')}/ec2/job.json")
+        if raw is None:
+            raise BackendError(f"no EC2 job under {job_uri} (expected {job_uri}/ec2/job.json)")
+        return EC2Job(self.session, json.loads(raw), out=self.out)
+
+    def _launch_all(self, spec: JobSpec, *, job_uri: str, output_uri: str,
+                    region: str) -> dict[str, dict]:
+        ec2 = self.session.client("ec2")
+        root_device = self._root_device(ec2)
+        launched: dict[str, dict] = {}
+        try:
+            for host in spec.hosts:
+                script = render_user_data(self._script_settings(
+                    spec, host=host, job_uri=job_uri, output_uri=output_uri, region=region))
+                if len(script.encode()) > USER_DATA_LIMIT:
+                    raise BackendError(f"the instance script is {len(script.encode())} bytes; "
+                                       f"EC2 accepts at most {USER_DATA_LIMIT}")
+                request = self._run_request(spec, host=host, script=script,
+                                            root_device=root_device)
+                launched[host] = ec2.run_instances(**request)["Instances"][0]
+            return self._with_addresses(ec2, launched)
+        except Exception as err:
+            if launched:
+                ec2.terminate_instances(InstanceIds=[i["InstanceId"] for i in launched.values()])
+            if isinstance(err, (BackendError, ConfigError)):
+                raise
+            message = getattr(err, "response", {}).get("Error", {}).get("Message", str(err))
+            raise BackendError(f"RunInstances for {spec.job_name} failed: {message}") from err
+
+    def _root_device(self, ec2: Any) -> str | None:
+        images = ec2.describe_images(ImageIds=[self.session.ec2.ami_id])["Images"]
+        if not images:
+            raise ConfigError(f"ami_id {self.session.ec2.ami_id} does not exist in "
+                              f"{self.session.boto_region_name}", key="ami_id",
+                              value=self.session.ec2.ami_id)
+        return images[0].get("RootDeviceName")
+
+    def _script_settings(self, spec: JobSpec, *, host: str, job_uri: str, output_uri: str,
+                         region: str) -> dict[str, str]:
+        settings = {"JOB_NAME": spec.job_name, "CURRENT_HOST": host, "JOB_URI": job_uri,
+                    "OUTPUT_URI": output_uri, "IMAGE": spec.image_uri, "REGION": region,
+                    "MAX_RUN": str(spec.max_run),
+                    "PULL_POLICY": str(spec.backend_options.get("pull_policy", "always"))}
+        if self.session.ec2.forward_endpoints:
+            for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_ECR"):
+                if os.environ.get(name):
+                    settings[name] = os.environ[name]
+        return settings
+
+    def _run_request(self, spec: JobSpec, *, host: str, script: str,
+                     root_device: str | None) -> dict:
+        s = self.session.ec2
+        tags = [{"Key": "Name", "Value": f"{spec.job_name}-{host}"},
+                {"Key": "fp16-sdk:job-name", "Value": spec.job_name},
+                {"Key": "fp16-sdk:host", "Value": host}]
+        tags += [{"Key": t["Key"], "Value": t["Value"]} for t in spec.tags]
+        request: dict[str, Any] = {
+            "ImageId": s.ami_id, "InstanceType": spec.instance_type.removeprefix("ml."),
+            "MinCount": 1, "MaxCount": 1, "UserData": script,
+            "InstanceInitiatedShutdownBehavior": "terminate",
+            "TagSpecifications": [{"ResourceType": "instance", "Tags": tags},
+                                  {"ResourceType": "volume", "Tags": tags}],
+            # IMDSv2 with hop limit 2 so the container (host network) gets the role's credentials
+            "MetadataOptions": {"HttpTokens": "required", "HttpPutResponseHopLimit": 2,
+                                "HttpEndpoint": "enabled"},
+        }
+        if root_device:
+            request["BlockDeviceMappings"] = [{"DeviceName": root_device, "Ebs": {
+                "VolumeSize": spec.volume_size, "VolumeType": "gp3",
+                "DeleteOnTermination": True}}]
+        if s.instance_profile:
+            key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
+            request["IamInstanceProfile"] = {key: s.instance_profile}
+        subnet = s.subnet_id or (spec.subnets[0] if spec.subnets else None)
+        if subnet:
+            request["SubnetId"] = subnet
+        groups = s.security_group_ids or tuple(spec.security_group_ids or ())
+        if groups:
+            request["SecurityGroupIds"] = list(groups)
+        if s.key_name:
+            request["KeyName"] = s.key_name
+        if spec.use_spot_instances:
+            request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+        return request
+
+    def _with_addresses(self, ec2: Any, launched: dict[str, dict]) -> dict[str, dict]:
+        """Wait (briefly) until every instance has a private address."""
+        deadline = time.monotonic() + 300
+        while True:
+            missing = [i["InstanceId"] for i in launched.values() if not i.get("PrivateIpAddress")]
+            if not missing:
+                return launched
+            if time.monotonic() > deadline:
+                raise BackendError(f"instances {missing} got no private address within 300 s")
+            time.sleep(2)
+            found = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=missing)
+                     ["Reservations"] for i in r["Instances"]}
+            for host, inst in launched.items():
+                if inst["InstanceId"] in found:
+                    launched[host] = found[inst["InstanceId"]]
+
+
+def _with_image(spec: JobSpec, image: str | None) -> JobSpec:
+    return dataclasses.replace(spec, image_uri=image)
+
+
+def _check_ec2_spec(spec: JobSpec) -> None:
+    unsupported = {"enable_network_isolation": spec.enable_network_isolation,
+                   "keep_alive_period_in_seconds": spec.keep_alive_period_in_seconds}
+    for key, value in unsupported.items():
+        if value:
+            raise ConfigError(f"{key}={value!r} is a SageMaker feature that EC2 jobs do not have; "
+                              "drop it or run on SageMaker (a plain Session)", key=key, value=value)
+    for channel in spec.channels:
+        if channel.s3_data_type != "S3Prefix" or (channel.input_mode or spec.input_mode) != "File":
+            raise ConfigError(f"input channel {channel.name!r}: EC2 jobs support S3Prefix data in "
+                              f"File mode (got {channel.s3_data_type}, "
+                              f"{channel.input_mode or spec.input_mode})",
+                              key=f"inputs[{channel.name}]", value=channel.uri)
+    if spec.checkpoint_s3_uri:
+        raise ConfigError("checkpoint_s3_uri is not synced on EC2 jobs yet: save checkpoints "
+                          "to S3 from the script, or run on SageMaker", key="checkpoint_s3_uri",
+                          value=spec.checkpoint_s3_uri)

@@ -1,0 +1,215 @@
+#!/bin/bash
+# fp16_sdk EC2 instance script (user data): runs one host of a training job, then shuts down.
+#
+# The SDK renders this template by replacing the settings line below with shell-quoted
+# assignments; nothing else is substituted. Steps:
+#   1. lay out /opt/ml from S3: config files the SDK wrote to <job>/ec2/config/<host>/, the
+#      channel objects listed in that folder's manifest.tsv (the SDK did the sharding);
+#   2. wait for <job>/ec2/hosts.json (algo-N -> private address, written by the SDK once every
+#      instance has one) and pass it to the toolkit as FP16_SDK_HOST_ADDRESSES;
+#   3. run `train` in the image ($FP16_SDK_RUNNER: run_container_docker pulls the image from
+#      ECR unless present with pull policy "missing", uses --gpus all when nvidia-smi works;
+#      run_train_direct runs `train` from this machine's PATH, for a container standing in
+#      for the instance in tests);
+#   4. upload model.tar.gz and output.tar.gz (algo-1), the log, and <job>/ec2/status/<host>.json;
+#   5. shut down ($FP16_SDK_SHUTDOWN; the instance was launched to terminate on shutdown).
+# The code itself is fetched by the toolkit from sagemaker_submit_directory, as on SageMaker.
+# Credentials come from the instance profile (or the environment); none are written here.
+set -u
+
+# @@FP16_SDK_SETTINGS@@
+
+for name in AWS_ENDPOINT_URL AWS_ENDPOINT_URL_S3 AWS_ENDPOINT_URL_ECR; do
+    if [ -n "${!name:-}" ]; then export "${name?}"; fi  # so the toolkit and container see them
+done
+: "${FP16_SDK_RUNNER:=run_container_docker}"
+: "${FP16_SDK_SHUTDOWN:=shutdown_instance}"
+: "${ML_ROOT:=/opt/ml}"
+: "${LOG_INTERVAL:=10}"
+: "${HOSTS_TIMEOUT:=900}"
+export AWS_DEFAULT_REGION="${AWS_DEFAULT_REGION:-$REGION}"
+WORK="$(mktemp -d /tmp/fp16-sdk-job.XXXXXX)"
+LOG="$WORK/$CURRENT_HOST.log"
+STAGE="starting"
+STATUS_WRITTEN=0
+exec 3>&1 >>"$LOG" 2>&1  # fd 3: the console, which gets the whole log at the end
+
+say() { echo "[fp16-sdk $(date -u +%H:%M:%S)] $*"; }
+
+# s3 get|put SRC DST: the AWS CLI when installed, else Python's boto3.
+s3() {
+    if command -v aws >/dev/null 2>&1; then
+        aws s3 cp --only-show-errors "$2" "$3"
+        return
+    fi
+    python3 - "$@" <<'PY'
+import sys
+import boto3
+from botocore.exceptions import ClientError
+op, src, dst = sys.argv[1:4]
+def split(uri):
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+try:
+    if op == "get":
+        boto3.client("s3").download_file(*split(src), dst)
+    else:
+        boto3.client("s3").upload_file(src, *split(dst))
+except ClientError as err:
+    sys.exit(f"s3 {op} {src} {dst}: {err.response['Error'].get('Code')}")
+PY
+}
+
+json_string() {  # stdin -> one JSON string body (no quotes)
+    tr -d '\000-\010\013\014\016-\037' \
+        | sed -e 's/\\/\\\\/g' -e 's/"/\\"/g' -e 's/\t/\\t/g' -e 's/\r/\\r/g' \
+        | awk 'NR > 1 { printf "\\n" } { printf "%s", $0 }'
+}
+
+write_status() {  # status exit_code reason
+    local reason
+    reason="$(printf '%s' "$3" | head -c 1024 | json_string)"
+    printf '{"host": "%s", "status": "%s", "exit_code": %s, "reason": "%s", "finished": %s}\n' \
+        "$CURRENT_HOST" "$1" "$2" "$reason" "$(date +%s)" > "$WORK/status.json"
+    s3 put "$LOG" "$JOB_URI/ec2/logs/$CURRENT_HOST.log" || true
+    s3 put "$WORK/status.json" "$JOB_URI/ec2/status/$CURRENT_HOST.json" && STATUS_WRITTEN=1
+}
+
+on_exit() {
+    code=$?
+    [ -n "${LOG_LOOP:-}" ] && kill "$LOG_LOOP" 2>/dev/null
+    if [ "$STATUS_WRITTEN" = 0 ]; then
+        say "instance script stopped while $STAGE (exit $code)"
+        write_status Failed "${code:-1}" "instance script failed while $STAGE (exit code $code)"
+    fi
+    cat "$LOG" >&3
+    "$FP16_SDK_SHUTDOWN"
+}
+trap on_exit EXIT
+
+fail() { say "$*"; exit 1; }
+
+with_limit() {  # the job's MaxRuntimeInSeconds, as SageMaker's StoppingCondition
+    if command -v timeout >/dev/null 2>&1; then timeout "$MAX_RUN" "$@"; else "$@"; fi
+}
+
+layout_opt_ml() {
+    STAGE="laying out $ML_ROOT"
+    mkdir -p "$ML_ROOT"/code "$ML_ROOT"/model "$ML_ROOT"/input/config "$ML_ROOT"/input/data \
+        "$ML_ROOT"/output/data "$ML_ROOT"/output/intermediate "$ML_ROOT"/checkpoints || return 1
+    local cfg="$JOB_URI/ec2/config/$CURRENT_HOST"
+    for name in hyperparameters.json resourceconfig.json inputdataconfig.json; do
+        s3 get "$cfg/$name" "$ML_ROOT/input/config/$name" || return 1
+    done
+    s3 get "$cfg/env.sh" "$WORK/env.sh" || return 1
+    s3 get "$cfg/manifest.tsv" "$WORK/manifest.tsv" || return 1
+    STAGE="downloading input channels"
+    local count=0 channel uri rel
+    while IFS="$(printf '\t')" read -r channel uri rel; do
+        [ -n "$channel" ] || continue
+        mkdir -p "$(dirname "$ML_ROOT/input/data/$channel/$rel")"
+        s3 get "$uri" "$ML_ROOT/input/data/$channel/$rel" || return 1
+        count=$((count + 1))
+    done < "$WORK/manifest.tsv"
+    say "downloaded $count input objects"
+    local iface
+    iface="$(ip -o -4 route show to default 2>/dev/null | awk '{ print $5; exit }')"
+    if [ -n "$iface" ]; then  # NCCL_SOCKET_IFNAME comes from network_interface_name
+        sed -i "s/\"network_interface_name\": \"eth0\"/\"network_interface_name\": \"$iface\"/" \
+            "$ML_ROOT/input/config/resourceconfig.json"
+    fi
+}
+
+resolve_hosts() {
+    STAGE="waiting for the other hosts' addresses"
+    local waited=0
+    until s3 get "$JOB_URI/ec2/hosts.json" "$WORK/hosts.json" 2>/dev/null; do
+        [ "$waited" -lt "$HOSTS_TIMEOUT" ] || fail "no hosts.json after ${HOSTS_TIMEOUT}s"
+        sleep 5
+        waited=$((waited + 5))
+    done
+    s3 get "$JOB_URI/ec2/hosts.txt" "$WORK/hosts.txt" || return 1
+    if [ -w /etc/hosts ]; then cat "$WORK/hosts.txt" >> /etc/hosts; fi
+    FP16_SDK_HOST_ADDRESSES="$(cat "$WORK/hosts.json")"
+    export FP16_SDK_HOST_ADDRESSES
+    say "hosts: $FP16_SDK_HOST_ADDRESSES"
+}
+
+pull_image() {
+    if [ "$PULL_POLICY" = missing ] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
+        say "image $IMAGE is present; not pulling"
+        return 0
+    fi
+    local registry="${IMAGE%%/*}"
+    case "$registry" in
+        *.dkr.ecr.*.amazonaws.com*)
+            aws ecr get-login-password --region "$(echo "$registry" | cut -d. -f4)" \
+                | docker login --username AWS --password-stdin "$registry" >/dev/null || return 1 ;;
+    esac
+    docker pull --quiet "$IMAGE"
+}
+
+run_container_docker() {
+    STAGE="pulling $IMAGE"
+    pull_image || return 1
+    STAGE="training"
+    local gpus="" envs="" name
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        gpus="--gpus all"
+    fi
+    for name in $JOB_ENV_NAMES FP16_SDK_HOST_ADDRESSES AWS_DEFAULT_REGION \
+                AWS_ENDPOINT_URL AWS_ENDPOINT_URL_S3; do
+        if [ -n "${!name+set}" ]; then envs="$envs -e $name"; fi
+    done
+    # shellcheck disable=SC2086  # $gpus and $envs are lists of flags built above
+    with_limit docker run --rm --name "fp16-sdk-$CURRENT_HOST" --network host --ipc host $gpus $envs \
+        -v "$ML_ROOT:/opt/ml" "$IMAGE" train
+}
+
+run_train_direct() {
+    STAGE="training"
+    (cd / && export SAGEMAKER_BASE_DIR="$ML_ROOT" && with_limit train)
+}
+
+tarball() {  # dir dest: the folder's contents at the archive root
+    (cd "$1" && find . -mindepth 1 -maxdepth 1 | sed 's|^\./||' | tar -czf "$2" -T -)
+}
+
+upload_artifacts() {
+    STAGE="uploading artifacts"
+    [ "$CURRENT_HOST" = algo-1 ] || return 0
+    tarball "$ML_ROOT/model" "$WORK/model.tar.gz" || return 1
+    s3 put "$WORK/model.tar.gz" "$OUTPUT_URI/output/model.tar.gz" || return 1
+    if [ -n "$(ls -A "$ML_ROOT/output/data" 2>/dev/null)" ]; then
+        tarball "$ML_ROOT/output/data" "$WORK/output.tar.gz" || return 1
+        s3 put "$WORK/output.tar.gz" "$OUTPUT_URI/output/output.tar.gz" || return 1
+    fi
+}
+
+shutdown_instance() { shutdown -h now 2>/dev/null || poweroff; }
+
+main() {
+    say "job $JOB_NAME, host $CURRENT_HOST, runner $FP16_SDK_RUNNER"
+    layout_opt_ml || fail "could not lay out $ML_ROOT from $JOB_URI ($STAGE)"
+    # shellcheck disable=SC1091  # written by the SDK with shell-quoted values
+    . "$WORK/env.sh"
+    resolve_hosts || fail "could not resolve the hosts"
+    ( while sleep "$LOG_INTERVAL"; do
+          s3 put "$LOG" "$JOB_URI/ec2/logs/$CURRENT_HOST.log" >/dev/null 2>&1
+      done ) &
+    LOG_LOOP=$!
+    local code=0
+    "$FP16_SDK_RUNNER" || code=$?
+    say "train exited with $code"
+    if [ "$code" = 0 ]; then
+        upload_artifacts || fail "could not upload the artifacts to $OUTPUT_URI"
+        write_status Completed 0 ""
+        return 0
+    fi
+    local reason="exit code $code; see the log"
+    [ "$code" = 124 ] && reason="MaxRuntimeInSeconds ($MAX_RUN) exceeded"
+    [ -s "$ML_ROOT/output/failure" ] && reason="$(head -c 1024 "$ML_ROOT/output/failure")"
+    write_status Failed "$code" "$reason"
+}
+
+main

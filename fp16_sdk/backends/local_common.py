@@ -1,0 +1,245 @@
+"""What every local backend does around the toolkit: host trees, artifacts, failure files.
+
+A local job lives in `<output_path>/<job>/` (output_path is file://):
+```
+source/sourcedir.tar.gz        the code (built by the estimator)
+hosts/algo-N/                  host N's /opt/ml (SAGEMAKER_BASE_DIR for local_process;
+                               the Docker backend bind-mounts it)
+output/model.tar.gz            /opt/ml/model of every host, merged (the remote layout)
+output/output.tar.gz           /opt/ml/output/data of every host, merged
+```
+Public API (small on purpose, shared by local_process and local Docker):
+`job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `read_failure`,
+`collect_artifacts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import tarfile
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from fp16_sdk.backends.base import Channel, JobSpec
+
+__all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
+           "checkpoint_store", "read_failure", "collect_artifacts", "remove_hosts",
+           "final_metrics"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT_DIRNAME = "fp16_sdk_jobs"  # default output_path: file://<cwd>/fp16_sdk_jobs
+
+
+def local_path(uri: str) -> Path:
+    """A file:// URI or a plain path as an absolute Path."""
+    return Path(uri[len("file://"):] if uri.startswith("file://") else uri).expanduser().resolve()
+
+
+def job_dir(spec: JobSpec) -> Path:
+    """`<output_path>/<job>` on this machine."""
+    return local_path(spec.output_path) / spec.job_name
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTree:
+    """One host's /opt/ml on this machine."""
+
+    host: str
+    root: Path
+
+    code = property(lambda self: self.root / "code")
+    model = property(lambda self: self.root / "model")
+    output = property(lambda self: self.root / "output")
+    output_data = property(lambda self: self.root / "output" / "data")
+    input_config = property(lambda self: self.root / "input" / "config")
+    input_data = property(lambda self: self.root / "input" / "data")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    failure_file = property(lambda self: self.root / "output" / "failure")
+    success_file = property(lambda self: self.root / "output" / "success")
+
+
+def resource_config(spec: JobSpec, host: str, network_interface_name: str) -> dict:
+    """resourceconfig.json: one homogeneous instance group holding every host."""
+    return {
+        "current_host": host,
+        "hosts": spec.hosts,
+        "network_interface_name": network_interface_name,
+        "current_instance_type": spec.instance_type,
+        "current_group_name": "homogeneousCluster",
+        "instance_groups": [{"instance_group_name": "homogeneousCluster",
+                             "instance_type": spec.instance_type, "hosts": spec.hosts}],
+    }
+
+
+def input_data_config(spec: JobSpec) -> dict:
+    """inputdataconfig.json, as SageMaker writes it."""
+    config = {}
+    for ch in spec.channels:
+        entry = {"TrainingInputMode": ch.input_mode or spec.input_mode,
+                 "S3DistributionType": ch.distribution,
+                 "RecordWrapperType": ch.record_wrapping or "None"}
+        if ch.content_type:
+            entry["ContentType"] = ch.content_type
+        if ch.compression:
+            entry["CompressionType"] = ch.compression
+        config[ch.name] = entry
+    return config
+
+
+def checkpoint_store(spec: JobSpec) -> Path | None:
+    """The folder on this machine that keeps the job's checkpoints across jobs.
+
+    `checkpoint_s3_uri` (file:// or a path; it plays S3's role) else `checkpoint_local_path`;
+    None when neither is set. Every host's /opt/ml/checkpoints shows this one folder, as every
+    SageMaker host syncs its checkpoints with the same S3 prefix.
+    """
+    uri = spec.checkpoint_s3_uri or spec.checkpoint_local_path
+    return local_path(uri) if uri else None
+
+
+def lay_out_host(spec: JobSpec, host: str, *, root: Path, network_interface_name: str,
+                 hyperparameters: Mapping[str, str] | None = None,
+                 link_data: bool = True) -> HostTree:
+    """Create `root` as host `host`'s /opt/ml.
+
+    Args:
+        spec: the job.
+        host: "algo-N".
+        root: the folder to create (normally `job_dir(spec)/hosts/<host>`).
+        network_interface_name: "lo" for processes on loopback, "eth0" in containers.
+        hyperparameters: what hyperparameters.json holds (default spec.hyperparameters; a
+            backend passes a copy when the container sees the code at another path).
+        link_data: True: input/data/<channel> and checkpoints/ are symlinks (local_process);
+            False: empty folders the backend mounts over (Docker).
+
+    Returns:
+        The host's tree.
+    """
+    tree = HostTree(host, Path(root))
+    for folder in (tree.code, tree.model, tree.output_data, tree.output / "intermediate",
+                   tree.input_config, tree.input_data):
+        folder.mkdir(parents=True, exist_ok=True)
+    _write_json(tree.input_config / "hyperparameters.json",
+                dict(spec.hyperparameters if hyperparameters is None else hyperparameters))
+    _write_json(tree.input_config / "resourceconfig.json",
+                resource_config(spec, host, network_interface_name))
+    _write_json(tree.input_config / "inputdataconfig.json", input_data_config(spec))
+    store = checkpoint_store(spec)
+    if link_data and store is not None:
+        store.mkdir(parents=True, exist_ok=True)
+        tree.checkpoints.symlink_to(store, target_is_directory=True)
+    else:
+        tree.checkpoints.mkdir(exist_ok=True)
+    for ch in spec.channels:
+        if link_data:
+            _link_channel(ch, tree.input_data / ch.name, rank=spec.hosts.index(host),
+                          count=spec.instance_count)
+        else:
+            (tree.input_data / ch.name).mkdir(exist_ok=True)
+    return tree
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _link_channel(ch: Channel, target: Path, *, rank: int, count: int) -> None:
+    """input/data/<channel> for one host: the whole source, or this host's shard of its files.
+
+    ShardedByS3Key: the files (sorted by relative path) are dealt round-robin to the hosts,
+    host r getting files r, r + count, ... (SageMaker shards by S3 key the same way).
+    """
+    src = ch.local_path
+    if src.is_file():
+        target.mkdir()
+        (target / src.name).symlink_to(src)
+    elif ch.distribution != "ShardedByS3Key" or count == 1:
+        target.symlink_to(src, target_is_directory=True)
+    else:
+        files = sorted(p for p in src.rglob("*") if p.is_file())
+        target.mkdir()
+        for path in files[rank::count]:
+            link = target / path.relative_to(src)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(path)
+
+
+def read_failure(tree: HostTree) -> tuple[int | None, str] | None:
+    """A host's failure file as (exit code of the user's command, full text); None if absent.
+
+    The toolkit writes `ExitCode N` on the first line, then the command and the stderr tail.
+    """
+    try:
+        text = tree.failure_file.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    m = re.match(r"\s*ExitCode\s+(-?\d+)", text)
+    return (int(m.group(1)) if m else None), text.strip()
+
+
+def _merged_members(roots: Sequence[Path]) -> dict[str, Path]:
+    """arcname -> file across host folders; on a clash the lowest host (algo-1) wins."""
+    members: dict[str, Path] = {}
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames) + [d for d in dirnames if Path(dirpath, d).is_symlink()]:
+                path = Path(dirpath, name)
+                arcname = path.relative_to(root).as_posix()
+                if arcname in members:
+                    log.debug("artifact %s exists on several hosts; keeping %s", arcname,
+                              members[arcname])
+                    continue
+                members[arcname] = path
+    return members
+
+
+def _write_tar(path: Path, members: Mapping[str, Path]) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for arcname, src in sorted(members.items()):
+            tar.add(src, arcname=arcname, recursive=False)
+    os.replace(tmp, path)
+    return path
+
+
+def collect_artifacts(spec: JobSpec, trees: Iterable[HostTree]) -> dict[str, Path]:
+    """Tar every host's model/ and output/data/ into `<job_dir>/output/`.
+
+    Returns:
+        {"model": .../model.tar.gz, "output": .../output.tar.gz}
+    """
+    trees = list(trees)
+    out = job_dir(spec) / "output"
+    out.mkdir(parents=True, exist_ok=True)
+    return {
+        "model": _write_tar(out / "model.tar.gz", _merged_members([t.model for t in trees])),
+        "output": _write_tar(out / "output.tar.gz",
+                             _merged_members([t.output_data for t in trees])),
+    }
+
+
+def remove_hosts(spec: JobSpec) -> None:
+    """Delete the job's host trees (symlinked channel data and checkpoints are kept)."""
+    shutil.rmtree(job_dir(spec) / "hosts", ignore_errors=True)
+
+
+def final_metrics(lines: Iterable[str], metric_definitions) -> list[dict]:
+    """FinalMetricDataList: the last value each metric's Regex captured in the logs."""
+    found: dict[str, float] = {}
+    for line in lines:
+        for md in metric_definitions:
+            for m in re.finditer(md["Regex"], line):
+                try:
+                    found[md["Name"]] = float(m.group(1) if m.groups() else m.group(0))
+                except ValueError:
+                    pass
+    return [{"MetricName": k, "Value": v} for k, v in found.items()]

@@ -1,0 +1,351 @@
+"""Local Docker mode (`instance_type="local"` / `"local_gpu"`): one container per instance.
+
+The job runs in the training image exactly as SageMaker runs it, driven through the Docker SDK
+(no compose, no shell strings):
+- a bridge network per job; container `<job>-algo-N`, hostname and network alias `algo-N`, so
+  the toolkit finds the master host through DNS as on SageMaker; the rendezvous port lives
+  inside that network, so no host port is published and two jobs never clash on a port;
+- each host's /opt/ml is `<output_path>/<job>/hosts/algo-N/` (laid out by `local_common`),
+  bind-mounted; the job's sourcedir.tar.gz is safely extracted into each host's code/ and
+  `sagemaker_submit_directory` is "/opt/ml/code", SageMaker's convention for code already in
+  place (the toolkit then installs requirements.txt as usual); channels are mounted read-only
+  at /opt/ml/input/data/<channel>; the
+  checkpoint folder (`checkpoint_s3_uri` or `checkpoint_local_path`, a folder here) at
+  /opt/ml/checkpoints of every host;
+- GPUs through a DeviceRequest: all of them for one instance, else `processes_per_host`
+  distinct GPUs per container; /dev/shm sized for DataLoader workers and NCCL;
+- every resource the job creates carries the label `fp16_sdk.job=<job>`.
+
+`backend_options` (see `OPTIONS`): `shm_size`, `pass_aws_credentials`, `keep_job_dir`,
+`stop_timeout`. Everything checkable is checked before anything is created; the running job
+(logs, supervision, artifacts, cleanup) is `local_docker_job.DockerJob`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping
+
+from fp16_sdk import image as images
+from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends.base import Backend, Channel, JobSpec
+from fp16_sdk.backends.local_docker_job import LABEL_HOST, LABEL_JOB, DockerJob, job_labels
+from fp16_sdk.errors import BackendError, ConfigError
+from fp16_sdk.packaging import safe_extract
+
+__all__ = ["LocalDockerBackend", "DockerOptions", "OPTIONS", "LABEL_JOB",
+           "LABEL_HOST", "container_name", "network_name", "gpu_requests"]
+
+_GIB = 1 << 30
+OPTIONS = {
+    "shm_size": "size of /dev/shm in each container: bytes or '<n>[kmg]' (default: half the "
+                "engine's memory shared by the instances, at least 1g)",
+    "pass_aws_credentials": "True: pass this machine's AWS credentials into the containers as "
+                            "environment variables (default False: local jobs get none)",
+    "keep_job_dir": "True: keep <output_path>/<job>/hosts after the job (default False)",
+    "stop_timeout": "seconds between SIGTERM and SIGKILL when containers are stopped (default 10)",
+}
+_SIZE = re.compile(r"^(\d+)([bkmg]?)$", re.IGNORECASE)
+
+
+def container_name(job: str, host: str) -> str:
+    return f"{job}-{host}"
+
+
+def network_name(job: str) -> str:
+    return f"fp16-sdk-{job}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DockerOptions:
+    """The validated `backend_options` of a local Docker job."""
+
+    shm_size: int
+    pass_aws_credentials: bool = False
+    keep_job_dir: bool = False
+    stop_timeout: int = 10
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any], *, instance_count: int,
+              engine_memory: int) -> "DockerOptions":
+        """Raises ConfigError naming the key, the value and the fix."""
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(f"backend_options key {unknown[0]!r} is not known to local Docker "
+                              f"mode; the keys are: {', '.join(OPTIONS)}", key=unknown[0],
+                              value=options[unknown[0]])
+        shm = options.get("shm_size")
+        shm_bytes = _parse_size(shm) if shm is not None else \
+            max(_GIB, engine_memory // (2 * instance_count))
+        for key in ("pass_aws_credentials", "keep_job_dir"):
+            if not isinstance(options.get(key, False), bool):
+                raise ConfigError(f"backend_options[{key!r}]={options[key]!r} must be True or "
+                                  "False", key=key, value=options[key])
+        timeout = options.get("stop_timeout", 10)
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+            raise ConfigError(f"backend_options['stop_timeout']={timeout!r} must be an integer "
+                              "number of seconds >= 0", key="stop_timeout", value=timeout)
+        return cls(shm_size=shm_bytes,
+                   pass_aws_credentials=options.get("pass_aws_credentials", False),
+                   keep_job_dir=options.get("keep_job_dir", False), stop_timeout=timeout)
+
+
+def _parse_size(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if not m or int(m.group(1)) == 0:
+        raise ConfigError(f"backend_options['shm_size']={value!r} must be a positive size such "
+                          "as '2g', '512m' or a number of bytes", key="shm_size", value=value)
+    return int(m.group(1)) * 1024 ** "bkmg".index((m.group(2) or "b").lower())
+
+
+def gpu_requests(instance_count: int, processes_per_host: int | None,
+                 gpu_total: int | None) -> list[Any]:
+    """One DeviceRequest per host: all GPUs for a single host, else disjoint GPU ids.
+
+    Host i (0-based) of N gets GPUs [i*P, (i+1)*P) where P = processes_per_host, or
+    gpu_total // N when processes_per_host is unset and the GPU count is known.
+
+    Raises:
+        ConfigError: more GPUs asked for than the machine has, or P unknown for N > 1.
+    """
+    from docker.types import DeviceRequest
+
+    per_host = processes_per_host
+    if per_host is not None and gpu_total is not None and per_host * instance_count > gpu_total:
+        raise ConfigError(
+            f"processes_per_host ({per_host}) x instance_count ({instance_count}) = "
+            f"{per_host * instance_count} GPUs, but this machine has {gpu_total}: lower "
+            "processes_per_host or instance_count", key="processes_per_host", value=per_host)
+    if instance_count == 1:
+        return [DeviceRequest(count=per_host or -1, capabilities=[["gpu"]])]
+    if per_host is None:
+        if not gpu_total or gpu_total < instance_count:
+            raise ConfigError(
+                f"local_gpu with instance_count={instance_count} splits the GPUs between the "
+                f"containers, but the GPU count is {gpu_total or 'unknown'}: set "
+                "distribution={'mpi': {'enabled': True, 'processes_per_host': <GPUs per "
+                "container>}}", key="processes_per_host", value=None)
+        per_host = gpu_total // instance_count
+    return [DeviceRequest(device_ids=[str(i * per_host + k) for k in range(per_host)],
+                          capabilities=[["gpu"]]) for i in range(instance_count)]
+
+
+def _count_gpus() -> int | None:
+    """GPUs on this machine (nvidia-smi -L), None when that cannot be told."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _aws_environment(region: str | None) -> dict[str, str]:
+    """This machine's AWS credentials as container environment (never logged)."""
+    import boto3
+
+    credentials = boto3.Session().get_credentials()
+    if credentials is None:
+        raise BackendError("backend_options['pass_aws_credentials'] is True but no AWS "
+                           "credentials were found (environment, ~/.aws, instance profile): "
+                           "configure them, or drop the option (local jobs need none)")
+    frozen = credentials.get_frozen_credentials()
+    env = {"AWS_ACCESS_KEY_ID": frozen.access_key, "AWS_SECRET_ACCESS_KEY": frozen.secret_key}
+    if frozen.token:
+        env["AWS_SESSION_TOKEN"] = frozen.token
+    if region:
+        env["AWS_DEFAULT_REGION"] = env["AWS_REGION"] = region
+    return env
+
+
+class LocalDockerBackend(Backend):
+    """Runs a `JobSpec` as one container per instance on this machine's Docker engine.
+
+    Args:
+        gpu: `local_gpu` (GPUs through DeviceRequests, the GPU image by default).
+        client: a docker.DockerClient (default: `fp16_sdk.image.connect()`).
+    """
+
+    def __init__(self, gpu: bool = False, *, client: Any = None):
+        self.gpu = gpu
+        self._client = client
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = images.connect()
+        return self._client
+
+    def submit(self, spec: JobSpec) -> DockerJob:
+        """Check everything, create the network and containers, start them.
+
+        Raises:
+            DockerUnavailableError, ImageNotFoundError, BackendError, ConfigError: a
+                precondition failed; nothing was created.
+        """
+        if self.gpu:
+            self._check_gpu_runtime()
+        job = self.create(spec)
+        job.start()
+        return job
+
+    def create(self, spec: JobSpec) -> DockerJob:
+        """Everything `submit` does except starting the containers (inspect them, then
+        `job.start()` or `job.discard()`). Skips the NVIDIA runtime check, so a `local_gpu`
+        configuration can be inspected on a machine without GPUs."""
+        image, options = self._preflight(spec)
+        jd = lc.job_dir(spec)
+        hps = dict(spec.hyperparameters)
+        hps["sagemaker_submit_directory"] = json.dumps("/opt/ml/code")
+        trees = {host: lc.lay_out_host(spec, host, root=jd / "hosts" / host,
+                                       network_interface_name="eth0", hyperparameters=hps,
+                                       link_data=False) for host in spec.hosts}
+        for tree in trees.values():
+            safe_extract(spec.sourcedir, tree.code)
+        store = lc.checkpoint_store(spec)
+        if store is not None:
+            store.mkdir(parents=True, exist_ok=True)
+        job = DockerJob(client=self.client, spec=spec, image=image, trees=trees,
+                        stop_timeout=options.stop_timeout, keep_job_dir=options.keep_job_dir,
+                        checkpoint_store=store)
+        try:
+            job.network = self.client.networks.create(
+                network_name(spec.job_name), driver="bridge", labels=job_labels(spec.job_name),
+                check_duplicate=True)
+            requests = gpu_requests(spec.instance_count, spec.processes_per_host,
+                                    _count_gpus()) if self.gpu else [None] * spec.instance_count
+            env = self._environment(spec, options)
+            with concurrent.futures.ThreadPoolExecutor(len(spec.hosts)) as pool:
+                made = pool.map(lambda a: (a[0], self._create_container(spec, a[0], a[1], image=image,
+                                           env=env, options=options, store=store)),
+                                zip(spec.hosts, requests))
+                job.containers.update(made)
+        except BaseException as exc:
+            job.discard()
+            if isinstance(exc, (ConfigError, BackendError)) or not isinstance(exc, Exception):
+                raise
+            raise BackendError(f"could not create job {spec.job_name} on the Docker engine: "
+                               f"{exc}") from exc
+        return job
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def _preflight(self, spec: JobSpec) -> tuple[str, DockerOptions]:
+        import docker.errors
+
+        client = self.client
+        image = spec.image_uri or images.default_image(self.gpu)
+        images.require_image(image, gpu=self.gpu, client=client)
+        options = DockerOptions.parse(spec.backend_options, instance_count=spec.instance_count,
+                                      engine_memory=int(client.info().get("MemTotal") or 0))
+        if not spec.sourcedir.is_file():
+            raise BackendError(f"the job's code {spec.sourcedir} does not exist")
+        for ch in spec.channels:
+            if not ch.uri.startswith("file://") or not ch.local_path.exists():
+                raise ConfigError(f"channel {ch.name!r}: {ch.uri!r} must be a file:// URI of an "
+                                  "existing file or folder in local Docker mode", key=ch.name,
+                                  value=ch.uri)
+        for host in spec.hosts:
+            name = container_name(spec.job_name, host)
+            try:
+                client.containers.get(name)
+            except docker.errors.NotFound:
+                continue
+            raise BackendError(f"a container named {name!r} already exists (an earlier job with "
+                               f"the same name?): remove it with `docker rm -f {name}` or pick "
+                               "another job_name")
+        net = network_name(spec.job_name)
+        if client.networks.list(names=[net]):
+            raise BackendError(f"a Docker network named {net!r} already exists: remove it with "
+                               f"`docker network rm {net}` or pick another job_name")
+        return image, options
+
+    def _check_gpu_runtime(self) -> None:
+        runtimes = self.client.info().get("Runtimes") or {}
+        hooks = ("nvidia-container-runtime-hook", "nvidia-container-runtime", "nvidia-ctk")
+        if "nvidia" in runtimes or any(shutil.which(h) for h in hooks):
+            return
+        raise BackendError(
+            "instance_type='local_gpu' needs the NVIDIA Container Toolkit on the Docker host "
+            f"(the engine's runtimes are {sorted(runtimes)}): install nvidia-container-toolkit, "
+            "run `sudo nvidia-ctk runtime configure --runtime=docker`, restart dockerd, and check "
+            "`docker run --rm --gpus all <image> nvidia-smi`; or use instance_type='local'")
+
+    # ---- container configuration -------------------------------------------------------
+
+    def _environment(self, spec: JobSpec, options: DockerOptions) -> dict[str, str]:
+        env = {"TRAINING_JOB_NAME": spec.job_name, "NCCL_SOCKET_IFNAME": "eth0"}
+        env.update(spec.environment)
+        if options.pass_aws_credentials:
+            region = json.loads(spec.hyperparameters.get("sagemaker_region", "null"))
+            env.update(_aws_environment(region))
+        return env
+
+    def _mounts(self, spec: JobSpec, host: str, store: Path | None) -> list[Any]:
+        from docker.types import Mount
+
+        jd = lc.job_dir(spec)
+        mounts = [Mount("/opt/ml", str(jd / "hosts" / host), type="bind")]
+        for ch in spec.channels:
+            target = f"/opt/ml/input/data/{ch.name}"
+            src = _channel_source(spec, ch, host, jd)
+            if src.is_file():
+                target = f"{target}/{src.name}"
+            mounts.append(Mount(target, str(src), type="bind", read_only=True))
+        if store is not None:
+            mounts.append(Mount("/opt/ml/checkpoints", str(store), type="bind"))
+        return mounts
+
+    def _create_container(self, spec: JobSpec, host: str, device_request: Any, *, image: str,
+                          env: Mapping[str, str], options: DockerOptions,
+                          store: Path | None) -> Any:
+        from docker.types import Ulimit
+
+        net = network_name(spec.job_name)
+        gpu_extra = {} if device_request is None else {
+            "device_requests": [device_request],
+            # NVIDIA's advice for PyTorch/NCCL containers: pinned memory and deep stacks.
+            "ulimits": [Ulimit(name="memlock", soft=-1, hard=-1),
+                        Ulimit(name="stack", soft=64 << 20, hard=64 << 20)]}
+        return self.client.containers.create(
+            image, ["train"], name=container_name(spec.job_name, host), hostname=host,
+            labels={**job_labels(spec.job_name), LABEL_HOST: host}, environment=dict(env),
+            mounts=self._mounts(spec, host, store), shm_size=options.shm_size, init=True,
+            network=net, networking_config={
+                net: self.client.api.create_endpoint_config(aliases=[host])},
+            stop_signal="SIGTERM", **gpu_extra)
+
+
+def _channel_source(spec: JobSpec, ch: Channel, host: str, jd: Path) -> Path:
+    """What is mounted at /opt/ml/input/data/<channel> on `host`.
+
+    ShardedByS3Key over several hosts: host r gets files r, r + N, ... of the sorted file list
+    (as SageMaker deals S3 keys), staged as hard links (copies across file systems) under
+    `<job_dir>/shards/<host>/<channel>`.
+    """
+    src = ch.local_path
+    if src.is_file() or ch.distribution != "ShardedByS3Key" or spec.instance_count == 1:
+        return src
+    rank = spec.hosts.index(host)
+    shard = jd / "shards" / host / ch.name
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    for path in files[rank::spec.instance_count]:
+        dest = shard / path.relative_to(src)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+    shard.mkdir(parents=True, exist_ok=True)
+    return shard

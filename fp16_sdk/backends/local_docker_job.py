@@ -1,0 +1,355 @@
+"""A running local Docker job: live logs, supervision, artifacts and cleanup.
+
+Threads: one reader per container streams its log (split into lines, prefixed by host, kept
+in arrival order) and then reports the container's exit; one supervisor consumes the exits.
+A job succeeds only when every host exits 0. The first host to exit non-zero fails the job:
+the supervisor stops the other containers at once (the real SDK's local mode instead ends the
+job when the first container exits, whatever its status). When all have exited the supervisor
+collects every host's artifacts into the remote layout, then removes the containers, the
+network and the host trees, whatever happened; `stop()`, Ctrl-C in `wait()` and interpreter
+exit go through the same path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import datetime
+import logging
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
+from fp16_sdk.errors import TrainingJobFailedError
+
+__all__ = ["DockerJob", "LABEL_JOB", "LABEL_HOST", "job_labels"]
+
+log = logging.getLogger(__name__)
+
+LABEL_JOB = "fp16_sdk.job"
+LABEL_HOST = "fp16_sdk.host"
+_SIGKILL_REASON = ("the container was killed with SIGKILL (exit 137): `docker kill`, or the "
+                   "out-of-memory killer")
+_LIVE: "weakref.WeakSet[DockerJob]" = weakref.WeakSet()
+
+
+def job_labels(job: str) -> dict[str, str]:
+    """The labels on every resource a job creates (`docker ps -a --filter label=...`)."""
+    return {LABEL_JOB: job}
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class DockerJob(JobHandle):
+    """The handle `LocalDockerBackend.submit` returns (also `estimator.latest_training_job`)."""
+
+    def __init__(self, *, client: Any, spec: JobSpec, image: str, trees: dict[str, lc.HostTree],
+                 stop_timeout: int, keep_job_dir: bool, checkpoint_store: Path | None):
+        self.name = spec.job_name
+        self.spec, self.image, self.trees = spec, image, trees
+        self.network: Any = None
+        self.containers: dict[str, Any] = {}
+        self._client, self._stop_timeout, self._keep = client, stop_timeout, keep_job_dir
+        self._store = checkpoint_store
+        self._lines: list[str] = []
+        self._cond = threading.Condition()
+        self._exits: "queue.Queue[tuple[str, int | None, str]]" = queue.Queue()
+        self._done = threading.Event()
+        self._status = JobStatus.IN_PROGRESS
+        self._stop_requested = False
+        self._failure: tuple[str, int | None, str] | None = None  # host, exit code, reason
+        self._model_data: str | None = None
+        self._shown = 0
+        self._start_time = self._end_time = None
+
+    # ---- starting ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every container and the threads that watch them."""
+        self._start_time = _now()
+        _LIVE.add(self)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(self.containers)) as pool:
+                list(pool.map(lambda c: c.start(), self.containers.values()))
+        except BaseException:
+            self.discard()
+            raise
+        for host, container in self.containers.items():
+            threading.Thread(target=self._read, args=(host, container), daemon=True,
+                             name=f"{self.name}-{host}-logs").start()
+        threading.Thread(target=self._supervise, daemon=True, name=f"{self.name}-supervisor").start()
+
+    def discard(self) -> None:
+        """Remove whatever was created (containers, network, host trees), started or not."""
+        self._remove_engine_resources()
+        self._remove_folders()
+        self._status = JobStatus.STOPPED if self._status == JobStatus.IN_PROGRESS else self._status
+        self._done.set()
+        _LIVE.discard(self)
+
+    # ---- threads -----------------------------------------------------------------------
+
+    def _add(self, line: str) -> None:
+        with self._cond:
+            self._lines.append(line)
+            self._cond.notify_all()
+
+    def _read(self, host: str, container: Any) -> None:
+        """Stream one container's log line by line, then report how it exited."""
+        pending = b""
+        code, reason = None, ""
+        try:
+            for chunk in container.logs(stream=True, follow=True):
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                for raw in complete:
+                    self._add(f"{host} | {raw.decode('utf-8', 'replace').rstrip(chr(13))}")
+            if pending:
+                self._add(f"{host} | {pending.decode('utf-8', 'replace')}")
+            code = container.wait().get("StatusCode")
+            container.reload()
+            if container.attrs.get("State", {}).get("OOMKilled"):
+                reason = "the container ran out of memory (OOMKilled)"
+        except Exception as exc:  # removed under us (docker rm -f), engine gone
+            reason = f"lost track of the container ({type(exc).__name__}: {exc})"
+        self._exits.put((host, code, reason))
+
+    def _supervise(self) -> None:
+        exits: dict[str, tuple[int | None, str]] = {}
+        deadline = time.monotonic() + self.spec.max_run
+        try:
+            while len(exits) < len(self.containers):
+                try:
+                    host, code, reason = self._exits.get(timeout=0.5)
+                except queue.Empty:
+                    if time.monotonic() > deadline and self._failure is None:
+                        self._failure = ("", None, f"max_run ({self.spec.max_run} s) exceeded: "
+                                         "the job was stopped (MaxRuntimeExceeded)")
+                        self._stop_all(wait=False)
+                    continue
+                exits[host] = (code, reason)
+                if code != 0 and self._failure is None and not self._stop_requested:
+                    self._failure = (host, code, reason)
+                    log.warning("%s exited with %s: stopping the other hosts of %s",
+                                host, code, self.name)
+                    self._stop_all(wait=False)
+            self._finish(exits)
+        except Exception as exc:  # never leave the job hanging: report and clean up
+            log.exception("supervising %s failed", self.name)
+            self._failure = self._failure or ("", None, f"supervisor error: {exc}")
+            self._status = JobStatus.FAILED
+        finally:
+            self._remove_engine_resources()
+            self._end_time = self._end_time or _now()
+            self._done.set()
+            _LIVE.discard(self)
+            with self._cond:
+                self._cond.notify_all()
+
+    def _finish(self, exits: dict[str, tuple[int | None, str]]) -> None:
+        """All hosts have exited: collect artifacts, settle the status, clean up."""
+        self._end_time = _now()
+        try:
+            self._reclaim_ownership()
+            artifacts = lc.collect_artifacts(self.spec, self.trees.values())
+            if self._failure is not None:
+                self._failure = self._explain(*self._failure)
+                self._status = JobStatus.FAILED
+            elif self._stop_requested:
+                self._status = JobStatus.STOPPED
+            else:
+                self._status = JobStatus.COMPLETED
+                self._model_data = artifacts["model"].as_uri()
+        finally:
+            self._remove_engine_resources()
+            self._remove_folders()
+
+    def _explain(self, host: str, code: int | None, reason: str) -> tuple[str, int | None, str]:
+        """The failing host's failure file, else what the engine says about its exit."""
+        found = lc.read_failure(self.trees[host]) if host in self.trees else None
+        if found is not None:
+            file_code, text = found
+            return host, file_code if file_code is not None else code, text
+        if not reason and code == 137:
+            reason = _SIGKILL_REASON
+        return host, code, reason or f"the container exited with {code} and wrote no failure file"
+
+    # ---- stopping and cleaning ---------------------------------------------------------
+
+    def _stop_all(self, *, wait: bool) -> None:
+        def stop(container: Any) -> None:
+            try:
+                container.stop(timeout=self._stop_timeout)
+            except Exception:  # already gone
+                pass
+        threads = [threading.Thread(target=stop, args=(c,), daemon=True)
+                   for c in self.containers.values()]
+        for t in threads:
+            t.start()
+        for t in threads if wait else ():
+            t.join()
+
+    def _remove_engine_resources(self) -> None:
+        """Remove the job's containers and network: the ones we hold and any other resource
+        that carries the job's label (a creation that failed half way)."""
+        def remove(container: Any) -> None:
+            try:
+                container.remove(force=True)
+            except Exception:  # already removed
+                pass
+        labelled = {"label": f"{LABEL_JOB}={self.name}"}
+        try:
+            containers = {c.id: c for c in self._client.containers.list(all=True, filters=labelled)}
+        except Exception:
+            containers = {}
+        containers.update((c.id, c) for c in self.containers.values())
+        if containers:
+            with concurrent.futures.ThreadPoolExecutor(len(containers)) as pool:
+                list(pool.map(remove, containers.values()))
+        try:
+            networks = self._client.networks.list(filters=labelled)
+        except Exception:
+            networks = [self.network] if self.network is not None else []
+        for network in networks:
+            try:
+                network.remove()
+            except Exception:
+                pass
+        self.network = None
+
+    def _foreign_roots(self) -> list[Path]:
+        """Folders this job wrote that hold an entry not owned by us (root in the container)."""
+        uid = os.getuid()
+        roots = [r for r in (lc.job_dir(self.spec) / "hosts", self._store)
+                 if r is not None and r.exists()]
+        return [r for r in roots if _owned_by_other(r, uid)]
+
+    def _reclaim_ownership(self) -> None:
+        """chown what the containers wrote back to us, through the engine (no sudo needed)."""
+        from docker.types import Mount
+
+        roots = self._foreign_roots()
+        if not roots:
+            return
+        owner = f"{os.getuid()}:{os.getgid()}"
+        mounts = [Mount(f"/reclaim/{i}", str(r), type="bind") for i, r in enumerate(roots)]
+        self._client.containers.run(
+            self.image, ["-R", owner, *[m["Target"] for m in mounts]], entrypoint=["chown"],
+            mounts=mounts, network_mode="none", remove=True, labels=job_labels(self.name))
+
+    def _remove_folders(self) -> None:
+        jd = lc.job_dir(self.spec)
+        shutil.rmtree(jd / "shards", ignore_errors=True)
+        if not self._keep:
+            lc.remove_hosts(self.spec)
+
+    # ---- JobHandle ---------------------------------------------------------------------
+
+    def _follow(self, *, start: int, show: bool) -> int:
+        """Print lines from `start` as they arrive until the job has ended; the end cursor."""
+        cursor = start
+        while True:
+            with self._cond:
+                while cursor == len(self._lines) and not self._done.is_set():
+                    self._cond.wait(0.25)
+                new, cursor = self._lines[cursor:], len(self._lines)
+                finished = self._done.is_set()
+            if show and new:
+                sys.stdout.write("".join(line + "\n" for line in new))
+                sys.stdout.flush()
+            if finished and cursor == len(self._lines):
+                return cursor
+
+    def wait(self, logs: bool | str = True) -> None:
+        """Block until the job ends, printing its logs unless `logs` is False/"None".
+
+        Raises:
+            TrainingJobFailedError: a host failed (host, exit code, failure text attached).
+            KeyboardInterrupt: after stopping the job and removing everything it created.
+        """
+        try:
+            self._shown = self._follow(start=self._shown, show=logs not in (False, "None"))
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        if self._status == JobStatus.FAILED and self._failure is not None:
+            host, code, reason = self._failure
+            raise TrainingJobFailedError(self.name, host=host or None, exit_code=code,
+                                         reason=reason)
+
+    def logs(self) -> None:
+        """Print every log line so far, then follow until the job ends."""
+        self._shown = max(self._shown, self._follow(start=0, show=True))
+
+    def stop(self) -> None:
+        """Stop every container (SIGTERM, SIGKILL after stop_timeout) and clean up."""
+        if self._done.is_set():
+            return
+        self._stop_requested = True
+        self._stop_all(wait=True)
+        self._done.wait()
+
+    def log_lines(self) -> list[str]:
+        with self._cond:
+            return list(self._lines)
+
+    @property
+    def status(self) -> JobStatus:
+        if self._stop_requested and not self._done.is_set():
+            return JobStatus.STOPPING
+        return self._status
+
+    @property
+    def model_data(self) -> str | None:
+        return self._model_data
+
+    def describe(self) -> dict:
+        """A DescribeTrainingJob-shaped dict of this job."""
+        spec = self.spec
+        out = {
+            "TrainingJobName": self.name,
+            "TrainingJobStatus": self.status.value,
+            "HyperParameters": dict(spec.hyperparameters),
+            "AlgorithmSpecification": {"TrainingImage": self.image,
+                                       "TrainingInputMode": spec.input_mode},
+            "ResourceConfig": {"InstanceType": spec.instance_type,
+                               "InstanceCount": spec.instance_count,
+                               "VolumeSizeInGB": spec.volume_size},
+            "OutputDataConfig": {"S3OutputPath": spec.output_path},
+            "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
+            "Environment": dict(spec.environment),
+            "TrainingStartTime": self._start_time,
+            "TrainingEndTime": self._end_time,
+        }
+        if self._model_data:
+            out["ModelArtifacts"] = {"S3ModelArtifacts": self._model_data}
+        if self._failure is not None and self._done.is_set():
+            out["FailureReason"] = self._failure[2][:1024]
+        if spec.metric_definitions:
+            out["FinalMetricDataList"] = lc.final_metrics(self.log_lines(),
+                                                          spec.metric_definitions)
+        return out
+
+
+def _owned_by_other(root: Path, uid: int) -> bool:
+    for dirpath, dirnames, filenames in os.walk(root):
+        if any(os.lstat(os.path.join(dirpath, n)).st_uid != uid for n in dirnames + filenames):
+            return True
+    return False
+
+
+@atexit.register
+def _stop_live_jobs() -> None:
+    """Containers must not outlive the Python that started them (wait=False jobs)."""
+    for job in list(_LIVE):
+        job.stop()

@@ -1,0 +1,344 @@
+"""`instance_type="local_process"`: the toolkit as plain processes on this machine.
+
+One `python -m fp16_sdk.toolkit` per host (algo-1..N), each with its own /opt/ml tree
+(`SAGEMAKER_BASE_DIR`) under the job folder, its own process session, and loopback addresses
+(`FP16_SDK_HOST_ADDRESSES`) with one free rendezvous port per job (`FP16_SDK_MASTER_PORT`).
+A supervisor thread watches the hosts: the job succeeds only when every host exits 0; when one
+fails the others are stopped at once. Reader threads keep every output line ("algo-N | ...")
+in arrival order, so `wait()`/`logs()` can replay and follow them at any time.
+
+No process survives the job: every process the job starts carries a job token in its
+environment (torchrun puts its workers in sessions of their own, out of reach of a process
+group signal), and stopping sends SIGTERM to every such process, then SIGKILL after a grace
+period (`backend_options["stop_grace_s"]`, default 5 s). The same happens on Ctrl-C in
+`wait()` and at interpreter exit for jobs still running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as dt
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import weakref
+from pathlib import Path
+
+import fp16_sdk
+from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends.base import Backend, JobHandle, JobSpec, JobStatus
+from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
+
+__all__ = ["LocalProcessBackend", "LocalProcessJob", "TOKEN_VAR"]
+
+log = logging.getLogger(__name__)
+
+TOKEN_VAR = "FP16_SDK_JOB_TOKEN"
+_POLL_S = 0.05
+_LIVE: "weakref.WeakSet[LocalProcessJob]" = weakref.WeakSet()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_with_token(token: str) -> list[int]:
+    """Every live process whose environment holds `TOKEN_VAR=token` (Linux /proc)."""
+    needle = f"{TOKEN_VAR}={token}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def _signal(pid: int, sig: int, *, group: bool = False) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class LocalProcessBackend(Backend):
+    """Runs jobs as local processes; needs no Docker, no AWS account, no role."""
+
+    def submit(self, spec: JobSpec) -> "LocalProcessJob":
+        """Check the spec, lay out the host trees and start every host.
+
+        Raises:
+            ConfigError: a non-file:// output_path or channel.
+            BackendError: a host process could not be started (the others are stopped).
+        """
+        if not spec.output_path.startswith("file://"):
+            raise ConfigError(f"output_path={spec.output_path!r} must be a file:// URI for "
+                              "local_process", key="output_path", value=spec.output_path)
+        for ch in spec.channels:
+            if not ch.uri.startswith("file://"):
+                raise ConfigError(f"inputs[{ch.name!r}]={ch.uri!r} must be a file:// URI for "
+                                  "local_process", key="inputs", value=ch.uri)
+        if spec.image_uri:
+            log.info("local_process runs the toolkit in this Python; image_uri %s is not used",
+                     spec.image_uri)
+        job = LocalProcessJob(spec)
+        job.start()
+        return job
+
+
+class LocalProcessJob(JobHandle):
+    """A running or finished local_process job (see the module docstring)."""
+
+    def __init__(self, spec: JobSpec):
+        self.name = spec.job_name
+        self.spec = spec
+        self._token = uuid.uuid4().hex
+        self._grace = float(spec.backend_options.get("stop_grace_s", 5.0))
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._trees: list[lc.HostTree] = []
+        self._readers: list[threading.Thread] = []
+        self._lines: list[str] = []
+        self._cond = threading.Condition()
+        self._status = JobStatus.IN_PROGRESS
+        self._stop_requested = threading.Event()
+        self._done = threading.Event()
+        self._error: TrainingJobFailedError | None = None
+        self._exit_codes: dict[str, int | None] = {}
+        self._artifacts: dict[str, Path] = {}
+        self._start_time = self._end_time = None
+
+    # ---- starting ----------------------------------------------------------------------
+
+    def _host_env(self, tree: lc.HostTree, port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.spec.environment)
+        package_root = str(Path(fp16_sdk.__file__).resolve().parent.parent)
+        env.update({
+            "SAGEMAKER_BASE_DIR": str(tree.root),
+            "FP16_SDK_HOST_ADDRESSES": json.dumps({h: "127.0.0.1" for h in self.spec.hosts}),
+            "FP16_SDK_MASTER_PORT": str(port),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p),
+            TOKEN_VAR: self._token,
+        })
+        return env
+
+    def start(self) -> None:
+        """Lay out every host's tree and start the hosts (called once, by submit)."""
+        root = lc.job_dir(self.spec) / "hosts"
+        self._trees = [lc.lay_out_host(self.spec, h, root=root / h, network_interface_name="lo")
+                       for h in self.spec.hosts]
+        port = _free_port()
+        self._start_time = dt.datetime.now(dt.timezone.utc)
+        try:
+            for tree in self._trees:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "fp16_sdk.toolkit"], cwd=tree.root,
+                    env=self._host_env(tree, port), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                self._procs[tree.host] = proc
+                reader = threading.Thread(target=self._read, args=(tree.host, proc),
+                                          name=f"{self.name}-{tree.host}-reader", daemon=True)
+                reader.start()
+                self._readers.append(reader)
+        except OSError as exc:
+            self._terminate_all()
+            raise BackendError(f"could not start host {tree.host} of job {self.name}: {exc}") from exc
+        _LIVE.add(self)
+        threading.Thread(target=self._supervise, name=f"{self.name}-supervisor",
+                         daemon=True).start()
+
+    def _read(self, host: str, proc: subprocess.Popen) -> None:
+        for raw in iter(proc.stdout.readline, b""):
+            line = f"{host} | {raw.decode(errors='replace').rstrip()}"
+            with self._cond:
+                self._lines.append(line)
+                self._cond.notify_all()
+        proc.stdout.close()
+
+    # ---- supervising -------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        deadline = time.monotonic() + self.spec.max_run
+        failed_host, reason = None, None
+        while True:
+            codes = {h: p.poll() for h, p in self._procs.items()}
+            failed = [h for h in self.spec.hosts if codes[h] not in (None, 0)]
+            if self._stop_requested.is_set():
+                break
+            if failed:
+                failed_host = failed[0]
+                break
+            if all(c == 0 for c in codes.values()):
+                break
+            if time.monotonic() > deadline:
+                reason = f"MaxRuntimeExceeded: the job ran longer than max_run={self.spec.max_run}s"
+                break
+            time.sleep(_POLL_S)
+        self._terminate_all()
+        self._finish(failed_host, reason)
+
+    def _terminate_all(self) -> None:
+        """SIGTERM every process of the job, SIGKILL what is left after the grace period."""
+        for sig, wait_s in ((signal.SIGTERM, self._grace), (signal.SIGKILL, 5.0)):
+            live = [p for p in self._procs.values() if p.poll() is None]
+            tokened = _pids_with_token(self._token)
+            if not live and not tokened:
+                break
+            for proc in live:
+                _signal(proc.pid, sig, group=True)
+            for pid in tokened:
+                _signal(pid, sig)
+            end = time.monotonic() + wait_s
+            while time.monotonic() < end and (
+                    any(p.poll() is None for p in self._procs.values())
+                    or _pids_with_token(self._token)):
+                time.sleep(_POLL_S)
+        for proc in self._procs.values():
+            proc.wait()
+
+    def _finish(self, failed_host: str | None, reason: str | None) -> None:
+        for reader in self._readers:
+            reader.join(timeout=5.0)
+        self._exit_codes = {h: p.returncode for h, p in self._procs.items()}
+        try:
+            self._artifacts = lc.collect_artifacts(self.spec, self._trees)
+        except OSError as exc:
+            log.warning("job %s: collecting artifacts failed: %s", self.name, exc)
+        if self._stop_requested.is_set():
+            self._status = JobStatus.STOPPED
+        elif failed_host is not None or reason is not None:
+            self._status = JobStatus.FAILED
+            self._error = self._failure(failed_host, reason)
+        else:
+            self._status = JobStatus.COMPLETED
+            if not self.spec.backend_options.get("keep_job_dir"):
+                lc.remove_hosts(self.spec)
+        self._end_time = dt.datetime.now(dt.timezone.utc)
+        _LIVE.discard(self)
+        with self._cond:
+            self._done.set()
+            self._cond.notify_all()
+
+    def _failure(self, host: str | None, reason: str | None) -> TrainingJobFailedError:
+        if host is None:
+            return TrainingJobFailedError(self.name, reason=reason or "")
+        tree = next(t for t in self._trees if t.host == host)
+        failure = lc.read_failure(tree)
+        if failure is not None:
+            code, text = failure
+            return TrainingJobFailedError(self.name, host=host, exit_code=code, reason=text)
+        tail = [ln for ln in self._lines if ln.startswith(f"{host} | ")][-20:]
+        code = self._exit_codes.get(host)
+        return TrainingJobFailedError(
+            self.name, host=host, exit_code=code,
+            reason="the toolkit wrote no failure file; last output:\n" + "\n".join(tail))
+
+    # ---- the JobHandle interface -------------------------------------------------------
+
+    def _follow(self, show: bool) -> None:
+        index = 0
+        while True:
+            with self._cond:
+                while index >= len(self._lines) and not self._done.is_set():
+                    self._cond.wait(timeout=0.2)
+                new, index = self._lines[index:], len(self._lines)
+                finished = self._done.is_set()
+            if show:
+                for line in new:
+                    print(line, flush=True)
+            if finished and index >= len(self._lines):
+                return
+
+    def wait(self, logs: bool | str = True) -> None:
+        """Block until the job ends, printing its log lines unless logs is False/"None".
+
+        Ctrl-C stops the job (no process survives) and re-raises KeyboardInterrupt.
+
+        Raises:
+            TrainingJobFailedError: a host failed (host, exit code, failure-file text).
+        """
+        try:
+            self._follow(show=logs not in (False, "None"))
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        if self._error is not None:
+            raise self._error
+
+    def logs(self) -> None:
+        """Print every log line so far, then follow until the job ends."""
+        self._follow(show=True)
+
+    def stop(self) -> None:
+        """Stop every host; returns once no process of the job is left."""
+        if self._done.is_set():
+            return
+        self._status = JobStatus.STOPPING
+        self._stop_requested.set()
+        self._done.wait()
+
+    def log_lines(self) -> list[str]:
+        with self._cond:
+            return list(self._lines)
+
+    @property
+    def status(self) -> JobStatus:
+        return self._status
+
+    @property
+    def exit_codes(self) -> dict[str, int | None]:
+        """Each host's toolkit exit status (None while running)."""
+        return {h: p.poll() for h, p in self._procs.items()}
+
+    @property
+    def model_data(self) -> str | None:
+        if self._status is not JobStatus.COMPLETED or "model" not in self._artifacts:
+            return None
+        return "file://" + str(self._artifacts["model"])
+
+    def describe(self) -> dict:
+        spec = self.spec
+        desc = {
+            "TrainingJobName": self.name,
+            "TrainingJobStatus": self._status.value,
+            "HyperParameters": dict(spec.hyperparameters),
+            "AlgorithmSpecification": {"TrainingImage": spec.image_uri,
+                                       "TrainingInputMode": spec.input_mode,
+                                       "MetricDefinitions": list(spec.metric_definitions)},
+            "ResourceConfig": {"InstanceType": spec.instance_type,
+                               "InstanceCount": spec.instance_count,
+                               "VolumeSizeInGB": spec.volume_size},
+            "OutputDataConfig": {"S3OutputPath": spec.output_path},
+            "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
+            "TrainingStartTime": self._start_time,
+            "HostExitCodes": self.exit_codes,
+        }
+        if self._done.is_set():
+            desc["TrainingEndTime"] = self._end_time
+            desc["FinalMetricDataList"] = lc.final_metrics(self.log_lines(),
+                                                           spec.metric_definitions)
+        if self.model_data:
+            desc["ModelArtifacts"] = {"S3ModelArtifacts": self.model_data}
+        if self._error is not None:
+            desc["FailureReason"] = self._error.reason[:1024]
+        return desc
+
+
+@atexit.register
+def _stop_live_jobs() -> None:
+    for job in list(_LIVE):
+        job.stop()

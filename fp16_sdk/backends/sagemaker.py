@@ -1,0 +1,301 @@
+"""SageMaker training jobs through boto3 (`CreateTrainingJob`, as `sagemaker.Session.train` sends it).
+
+The code goes to `s3://<bucket>/<code_location prefix>/<job>/source/sourcedir.tar.gz` (bucket
+from `code_location`, else `output_path`, else the session's default bucket) and the job's
+`sagemaker_submit_directory` hyperparameter points there. Waiting polls `DescribeTrainingJob`,
+prints secondary status changes and tails CloudWatch Logs (`cloudwatch.LogTailer`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from typing import Any, TextIO
+
+from ..errors import BackendError, ConfigError, TrainingJobFailedError
+from ..session import Session, parse_s3_uri
+from .base import Backend, JobHandle, JobSpec, JobStatus
+from .cloudwatch import LogTailer
+
+__all__ = ["SageMakerBackend", "SageMakerJob", "build_training_request", "code_uri"]
+
+_TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED)
+
+
+def code_uri(spec: JobSpec, session: Session) -> str:
+    """Where the job's sourcedir.tar.gz goes (the real SDK's `_stage_user_code_in_s3` rule)."""
+    if spec.code_location:
+        bucket, prefix = parse_s3_uri(spec.code_location)
+    elif spec.output_path and spec.output_path.startswith("s3://"):
+        bucket, prefix = parse_s3_uri(spec.output_path)[0], ""
+    else:
+        bucket, prefix = session.default_bucket(), ""
+    key = "/".join(p for p in (prefix.strip("/"), spec.job_name, "source", "sourcedir.tar.gz") if p)
+    return f"s3://{bucket}/{key}"
+
+
+def check_remote_spec(spec: JobSpec) -> None:
+    """What every remote backend refuses before touching AWS.
+
+    Raises:
+        ConfigError: naming the bad key, its value and the fix.
+    """
+    if not spec.image_uri:
+        raise ConfigError("image_uri is required for remote jobs: pass image_uri='<account>.dkr."
+                          "ecr.<region>.amazonaws.com/<repo>:<tag>'", key="image_uri", value=None)
+    for channel in spec.channels:
+        if not channel.uri.startswith("s3://"):
+            raise ConfigError(
+                f"input channel {channel.name!r} is {channel.uri!r}: remote jobs read only s3:// "
+                f"inputs; upload the data (aws s3 sync <dir> s3://<bucket>/<prefix>) and pass "
+                f"that URI, or use instance_type='local'", key=f"inputs[{channel.name}]",
+                value=channel.uri)
+    for key in ("output_path", "code_location", "checkpoint_s3_uri"):
+        value = getattr(spec, key)
+        if value and not value.startswith("s3://"):
+            raise ConfigError(f"{key} ({value!r}) must be an s3:// URI for remote jobs",
+                              key=key, value=value)
+    if spec.use_spot_instances and not spec.max_wait:
+        raise ConfigError("use_spot_instances=True needs max_wait (seconds, >= max_run): pass "
+                          f"max_wait={spec.max_run}", key="max_wait", value=None)
+    if spec.max_wait and not spec.use_spot_instances:
+        raise ConfigError(f"max_wait ({spec.max_wait}) only applies to spot training: set "
+                          "use_spot_instances=True or drop max_wait", key="max_wait",
+                          value=spec.max_wait)
+    if spec.max_wait and spec.max_wait < spec.max_run:
+        raise ConfigError(f"max_wait ({spec.max_wait}) must be >= max_run ({spec.max_run})",
+                          key="max_wait", value=spec.max_wait)
+    if bool(spec.subnets) != bool(spec.security_group_ids):
+        raise ConfigError("subnets and security_group_ids go together: pass both or neither",
+                          key="subnets", value=spec.subnets)
+
+
+def _channel(channel: Any) -> dict:
+    entry: dict[str, Any] = {
+        "ChannelName": channel.name,
+        "DataSource": {"S3DataSource": {"S3DataType": channel.s3_data_type,
+                                        "S3Uri": channel.uri,
+                                        "S3DataDistributionType": channel.distribution}},
+    }
+    if channel.content_type:
+        entry["ContentType"] = channel.content_type
+    if channel.compression:
+        entry["CompressionType"] = channel.compression
+    if channel.record_wrapping:
+        entry["RecordWrapperType"] = channel.record_wrapping
+    if channel.input_mode:
+        entry["InputMode"] = channel.input_mode
+    return entry
+
+
+def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
+                           role_arn: str) -> dict:
+    """The `CreateTrainingJob` arguments for `spec` (contract §5), optional keys only when set."""
+    algorithm: dict[str, Any] = {"TrainingImage": spec.image_uri,
+                                 "TrainingInputMode": spec.input_mode}
+    if spec.metric_definitions:
+        algorithm["MetricDefinitions"] = [{"Name": m["Name"], "Regex": m["Regex"]}
+                                          for m in spec.metric_definitions]
+    if spec.backend_options.get("enable_sagemaker_metrics") is not None:
+        algorithm["EnableSageMakerMetricsTimeSeries"] = bool(
+            spec.backend_options["enable_sagemaker_metrics"])
+    hyperparameters = dict(spec.hyperparameters)
+    hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
+    resources: dict[str, Any] = {"InstanceType": spec.instance_type,
+                                 "InstanceCount": spec.instance_count,
+                                 "VolumeSizeInGB": spec.volume_size}
+    if spec.keep_alive_period_in_seconds is not None:
+        resources["KeepAlivePeriodInSeconds"] = spec.keep_alive_period_in_seconds
+    stopping: dict[str, Any] = {"MaxRuntimeInSeconds": spec.max_run}
+    if spec.max_wait:
+        stopping["MaxWaitTimeInSeconds"] = spec.max_wait
+    output: dict[str, Any] = {"S3OutputPath": output_path}
+    if spec.backend_options.get("output_kms_key"):
+        output["KmsKeyId"] = spec.backend_options["output_kms_key"]
+    request: dict[str, Any] = {
+        "TrainingJobName": spec.job_name,
+        "RoleArn": role_arn,
+        "AlgorithmSpecification": algorithm,
+        "HyperParameters": hyperparameters,
+        "OutputDataConfig": output,
+        "ResourceConfig": resources,
+        "StoppingCondition": stopping,
+    }
+    if spec.channels:
+        request["InputDataConfig"] = [_channel(c) for c in spec.channels]
+    if spec.environment:
+        request["Environment"] = dict(spec.environment)
+    if spec.tags:
+        request["Tags"] = [{"Key": t["Key"], "Value": t["Value"]} for t in spec.tags]
+    if spec.subnets and spec.security_group_ids:
+        request["VpcConfig"] = {"Subnets": list(spec.subnets),
+                                "SecurityGroupIds": list(spec.security_group_ids)}
+    if spec.use_spot_instances:
+        request["EnableManagedSpotTraining"] = True
+    if spec.checkpoint_s3_uri:
+        checkpoint = {"S3Uri": spec.checkpoint_s3_uri}
+        if spec.checkpoint_local_path:
+            checkpoint["LocalPath"] = spec.checkpoint_local_path
+        request["CheckpointConfig"] = checkpoint
+    if spec.enable_network_isolation:
+        request["EnableNetworkIsolation"] = True
+    return request
+
+
+class SageMakerBackend(Backend):
+    """Runs jobs as SageMaker training jobs.
+
+    Args:
+        session: a `fp16_sdk.session.Session` (default: one from boto3's standard chain).
+        poll_interval: seconds between DescribeTrainingJob calls while waiting.
+        out: where status and log lines are printed.
+    """
+
+    def __init__(self, session: Session | None = None, *, poll_interval: float = 5.0,
+                 out: TextIO | None = None):
+        self.session = session or Session()
+        self.poll_interval = poll_interval
+        self.out = out
+
+    def submit(self, spec: JobSpec) -> "SageMakerJob":
+        """Upload the code and call CreateTrainingJob.
+
+        Raises:
+            ConfigError: file:// inputs, no role, spot without max_wait... (before any upload).
+            BackendError: SageMaker refused the request (its message attached).
+        """
+        from botocore.exceptions import ClientError
+
+        check_remote_spec(spec)
+        if not spec.role:
+            raise ConfigError("role is required for SageMaker jobs: pass role='arn:aws:iam::"
+                              "<account>:role/<SageMaker execution role>'", key="role", value=None)
+        role_arn = self._role_arn(spec.role)
+        output_path = (spec.output_path if spec.output_path and spec.output_path.startswith("s3://")
+                       else f"s3://{self.session.default_bucket()}/")
+        submit_uri = self.session.upload_file(spec.sourcedir, code_uri(spec, self.session))
+        request = build_training_request(spec, submit_uri=submit_uri, output_path=output_path,
+                                         role_arn=role_arn)
+        try:
+            self.session.sagemaker_client.create_training_job(**request)
+        except ClientError as err:
+            raise BackendError(f"CreateTrainingJob for {spec.job_name} was refused: "
+                               f"{err.response.get('Error', {}).get('Message', err)}") from err
+        return self.attach(spec.job_name)
+
+    def attach(self, job_name: str) -> "SageMakerJob":
+        """A handle on an existing training job (what `PyTorch.attach(job_name)` needs).
+
+        Raises:
+            BackendError: no such job in this session's account and region.
+        """
+        from botocore.exceptions import ClientError
+
+        job = SageMakerJob(self.session, job_name, poll_interval=self.poll_interval, out=self.out)
+        try:
+            job.describe()
+        except ClientError as err:
+            raise BackendError(f"no training job {job_name!r} in {self.session.boto_region_name}: "
+                               f"{err.response.get('Error', {}).get('Message', err)}") from err
+        return job
+
+    def _role_arn(self, role: str) -> str:
+        if role.startswith("arn:"):
+            return role
+        return self.session.client("iam").get_role(RoleName=role)["Role"]["Arn"]
+
+
+class SageMakerJob(JobHandle):
+    """One SageMaker training job, watched through DescribeTrainingJob and CloudWatch Logs."""
+
+    def __init__(self, session: Session, name: str, *, poll_interval: float = 5.0,
+                 out: TextIO | None = None):
+        self.name = name
+        self.session = session
+        self.poll_interval = poll_interval
+        self._out = out
+        self._tailer = LogTailer(session.client("logs"), name, out=None)
+        self._last: dict | None = None
+
+    @property
+    def out(self) -> TextIO:
+        return self._out or sys.stdout
+
+    def describe(self) -> dict:
+        response = self.session.sagemaker_client.describe_training_job(TrainingJobName=self.name)
+        response.pop("ResponseMetadata", None)
+        self._last = response
+        return response
+
+    @property
+    def status(self) -> JobStatus:
+        return JobStatus(self.describe()["TrainingJobStatus"])
+
+    @property
+    def model_data(self) -> str | None:
+        description = self._last or self.describe()
+        if description.get("TrainingJobStatus") != JobStatus.COMPLETED.value:
+            description = self.describe()
+        if description.get("TrainingJobStatus") != JobStatus.COMPLETED.value:
+            return None
+        return description.get("ModelArtifacts", {}).get("S3ModelArtifacts")
+
+    def log_lines(self) -> list[str]:
+        return list(self._tailer.lines)
+
+    def logs(self) -> None:
+        self.wait(logs=True)
+
+    def wait(self, logs: bool | str = True) -> None:
+        """Poll until the job ends, printing secondary status changes and (with logs) its logs.
+
+        Raises:
+            TrainingJobFailedError: the job failed; `reason` is SageMaker's FailureReason.
+        """
+        follow = logs not in (False, None, "None")
+        self._tailer.out = self.out if follow else None
+        printed = 0
+        while True:
+            description = self.describe()
+            transitions = description.get("SecondaryStatusTransitions", [])
+            for item in transitions[printed:]:
+                message = f" - {item['StatusMessage']}" if item.get("StatusMessage") else ""
+                print(f"{self.name}: {item['Status']}{message}", file=self.out)
+            printed = max(printed, len(transitions))
+            status = JobStatus(description["TrainingJobStatus"])
+            if follow:
+                self._tailer.poll()
+            if status in _TERMINAL:
+                break
+            time.sleep(self.poll_interval)
+        if follow:
+            self._tailer.poll()  # events flushed between the last poll and the end
+        self._finish(description)
+
+    def _finish(self, description: dict) -> None:
+        status = description["TrainingJobStatus"]
+        if status == JobStatus.FAILED.value:
+            reason = description.get("FailureReason", "")
+            code = re.search(r"ExitCode:?\s*(\d+)|exit code:?\s*(\d+)", reason)
+            exit_code = int(next(g for g in code.groups() if g)) if code else None
+            raise TrainingJobFailedError(self.name, exit_code=exit_code, reason=reason)
+        if status == JobStatus.STOPPED.value:
+            print(f"{self.name}: stopped ({description.get('SecondaryStatus', 'Stopped')})",
+                  file=self.out)
+        else:
+            print(f"{self.name}: {status}; model: "
+                  f"{description.get('ModelArtifacts', {}).get('S3ModelArtifacts')}", file=self.out)
+
+    def stop(self) -> None:
+        """StopTrainingJob, then wait (without logs) until SageMaker reports it stopped."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.session.sagemaker_client.stop_training_job(TrainingJobName=self.name)
+        except ClientError as err:
+            raise BackendError(f"StopTrainingJob for {self.name} was refused: "
+                               f"{err.response.get('Error', {}).get('Message', err)}") from err
+        while self.status not in _TERMINAL:
+            time.sleep(self.poll_interval)

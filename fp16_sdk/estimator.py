@@ -1,0 +1,525 @@
+"""`Estimator`: the framework-agnostic half of `sagemaker.estimator.Estimator`.
+
+Same argument names and defaults as SageMaker's estimator (contract §1). Everything that can be
+checked is checked at construction and again at the top of `fit()`, before a file is written
+or a process started; every `ConfigError` names the key, the value and the fix. `fit()` turns
+the estimator into a typed `JobSpec` and hands it to the backend chosen once from
+`instance_type` (`backends.base.backend_for`).
+
+Decisions (where SageMaker leaves room):
+- Script mode only: `entry_point` is required.
+- Local modes (`local_process`, `local`, `local_gpu`) need no role, no AWS account: output_path
+  defaults to `file://<cwd>/fp16_sdk_jobs`, channels and checkpoint URIs are file:// or plain
+  paths, s3:// is refused there. Pipe input mode is refused in local modes.
+- `sagemaker_region` comes from the session (`boto_region_name`), else AWS_REGION /
+  AWS_DEFAULT_REGION, else "us-east-1"; no AWS call is made.
+- `backend_options` (not in SageMaker) is passed to the backend unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fp16_sdk.backends.base import LOCAL_TYPES, JobHandle, JobSpec, backend_for
+from fp16_sdk.errors import ConfigError
+from fp16_sdk.inputs import INPUT_MODES, channels_from_inputs
+
+__all__ = ["Estimator", "name_from_base", "base_name_from_image", "JOB_NAME_PATTERN"]
+
+logger = logging.getLogger(__name__)
+
+JOB_NAME_PATTERN = r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}"
+_JOB_NAME = re.compile(f"^{JOB_NAME_PATTERN}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+DEFAULT_REGION = "us-east-1"
+# CreateTrainingJob limits.
+MAX_HYPERPARAMETERS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
+MAX_ENV, MAX_ENV_KEY, MAX_ENV_VALUE = 100, 512, 512
+MAX_METRICS, MAX_TAGS = 40, 50
+
+
+def sagemaker_timestamp(moment: float | None = None) -> str:
+    """UTC `%Y-%m-%d-%H-%M-%S-<ms>`, SageMaker's job-name suffix."""
+    moment = time.time() if moment is None else moment
+    ms = int(moment * 1000) % 1000
+    return time.strftime(f"%Y-%m-%d-%H-%M-%S-{ms:03d}", time.gmtime(moment))
+
+
+def name_from_base(base: str, max_length: int = 63) -> str:
+    """`<base>-<timestamp>`, the base trimmed so the name fits in `max_length`."""
+    stamp = sagemaker_timestamp()
+    return f"{base[: max_length - len(stamp) - 1]}-{stamp}"
+
+
+def base_name_from_image(image: str) -> str:
+    """The repository part of an image URI: `acct.dkr.ecr.../pytorch-training:2.1` -> `pytorch-training`."""
+    m = re.match(r"^(.+/)?([^:/]+)(:[^:]+)?$", image)
+    return m.group(2) if m else image
+
+
+def _fail(key: str, value: Any, fix: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} {fix}", key=key, value=value)
+
+
+def _check_int(key: str, value: Any, *, minimum: int, maximum: int | None = None,
+               optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, f"must be an integer >= {minimum}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise _fail(key, value, f"must be {bound}")
+
+
+def _check_str_list(key: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not value or \
+            not all(isinstance(v, str) and v for v in value):
+        raise _fail(key, value, "must be a non-empty list of strings (e.g. ['subnet-0abc'])")
+
+
+def encode_hyperparameters(raw: dict) -> dict[str, str]:
+    """SageMaker's encoding: every value JSON-encoded (`1` -> `"1"`, `"a"` -> `"\\"a\\""`).
+
+    Raises:
+        ConfigError: a key that is not a string, a value JSON cannot encode.
+    """
+    out = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not key:
+            raise _fail("hyperparameters", key, "keys must be non-empty strings")
+        try:
+            out[key] = json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"hyperparameters[{key!r}]={value!r} cannot be JSON-encoded "
+                              f"({exc}); use numbers, strings, lists or dicts", key=key,
+                              value=value) from None
+    return out
+
+
+def check_hyperparameter_limits(encoded: dict[str, str]) -> None:
+    """CreateTrainingJob's limits: <= 100 entries, key <= 256, encoded value <= 2500 chars."""
+    if len(encoded) > MAX_HYPERPARAMETERS:
+        raise _fail("hyperparameters", f"{len(encoded)} entries",
+                    f"exceeds SageMaker's limit of {MAX_HYPERPARAMETERS} (sagemaker_* keys "
+                    "included); pass large settings in a file in source_dir instead")
+    for key, value in encoded.items():
+        if len(key) > MAX_HP_KEY:
+            raise _fail("hyperparameters", key[:40] + "...", f"key is {len(key)} chars; the "
+                        f"limit is {MAX_HP_KEY}: use a shorter name")
+        if len(value) > MAX_HP_VALUE:
+            raise ConfigError(
+                f"hyperparameters[{key!r}] is {len(value)} chars once JSON-encoded; the limit is "
+                f"{MAX_HP_VALUE}: pass it in a file in source_dir instead", key=key, value=value)
+
+
+class Estimator:
+    """A training job definition; `fit()` runs it.
+
+    Args:
+        image_uri: the training image (None: the subclass default; local_process needs none).
+        role: IAM role ARN (remote only; local modes need none).
+        instance_count: number of hosts (int >= 1).
+        instance_type: "local_process", "local", "local_gpu", or an "ml.*" SageMaker type.
+        entry_point: the training script; relative to source_dir when that is given.
+        source_dir: folder packaged as the code (sourcedir.tar.gz).
+        hyperparameters: {name: value}; values are JSON-encoded for the container.
+        backend_options: backend-specific knobs, passed through unchanged (not in SageMaker).
+        (the others): as in SageMaker's EstimatorBase, same names and defaults.
+
+    Raises:
+        ConfigError: any invalid argument (the message names key, value and fix).
+    """
+
+    def __init__(self, image_uri: str | None = None, role: str | None = None,
+                 instance_count: int | None = None, instance_type: str | None = None, *,
+                 entry_point: str | None = None, source_dir: str | None = None,
+                 hyperparameters: dict | None = None, volume_size: int = 30,
+                 max_run: int = 86400, input_mode: str = "File", output_path: str | None = None,
+                 base_job_name: str | None = None, sagemaker_session: Any = None,
+                 environment: dict | None = None, metric_definitions: list | None = None,
+                 checkpoint_s3_uri: str | None = None, checkpoint_local_path: str | None = None,
+                 dependencies: list | None = None, code_location: str | None = None,
+                 container_log_level: int = logging.INFO, max_wait: int | None = None,
+                 use_spot_instances: bool = False, tags: list | None = None,
+                 subnets: list | None = None, security_group_ids: list | None = None,
+                 enable_network_isolation: bool = False,
+                 keep_alive_period_in_seconds: int | None = None,
+                 backend_options: dict | None = None):
+        self.image_uri, self.role = image_uri, role
+        self.instance_count, self.instance_type = instance_count, instance_type
+        self.entry_point, self.source_dir = entry_point, source_dir
+        self.dependencies = [] if dependencies is None else dependencies
+        self._hyperparameters = {} if hyperparameters is None else hyperparameters
+        self.volume_size, self.max_run, self.max_wait = volume_size, max_run, max_wait
+        self.input_mode, self.output_path, self.code_location = input_mode, output_path, code_location
+        self.base_job_name, self.sagemaker_session = base_job_name, sagemaker_session
+        self.environment = {} if environment is None else environment
+        self.metric_definitions = [] if metric_definitions is None else metric_definitions
+        self.checkpoint_s3_uri, self.checkpoint_local_path = checkpoint_s3_uri, checkpoint_local_path
+        self.container_log_level, self.use_spot_instances = container_log_level, use_spot_instances
+        self.tags = [] if tags is None else tags
+        self.subnets, self.security_group_ids = subnets, security_group_ids
+        self._enable_network_isolation = enable_network_isolation
+        self.keep_alive_period_in_seconds = keep_alive_period_in_seconds
+        self.backend_options = {} if backend_options is None else backend_options
+        self.latest_training_job: JobHandle | None = None
+        self._current_job_name: str | None = None
+        self._reserved: dict[str, str] = {}  # sagemaker_* keys added by fit()
+        self._validate()
+
+    # ---- what subclasses provide -------------------------------------------------------
+
+    def training_image_uri(self) -> str | None:
+        """The image the job runs in (None: local_process runs the toolkit in this Python)."""
+        return self.image_uri
+
+    def _framework_hyperparameters(self) -> dict:
+        """Raw (un-encoded) hyperparameters the framework adds (distribution keys...)."""
+        return {}
+
+    def _processes_per_host(self) -> int | None:
+        return None
+
+    def _default_base_name(self) -> str:
+        image = self.training_image_uri()
+        return base_name_from_image(image) if image else "estimator"
+
+    def _validate_framework(self) -> None:
+        """Framework-specific checks (versions, image, distribution)."""
+
+    # ---- validation --------------------------------------------------------------------
+
+    @property
+    def _local(self) -> bool:
+        return self.instance_type in LOCAL_TYPES
+
+    def enable_network_isolation(self) -> bool:
+        """Whether the job runs without network access (SageMaker's method of the same name)."""
+        return self._enable_network_isolation
+
+    def _validate(self) -> None:
+        self._validate_resources()
+        self._validate_code()
+        self._validate_locations()
+        self._validate_mappings()
+        self._validate_vpc_and_flags()
+        self._validate_framework()
+        check_hyperparameter_limits(self.hyperparameters())
+
+    def _validate_resources(self) -> None:
+        if self.instance_type is None:
+            raise _fail("instance_type", None, "is required: use 'local_process' (this machine), "
+                        "'local'/'local_gpu' (Docker) or a SageMaker type such as 'ml.p4d.24xlarge'")
+        if not isinstance(self.instance_type, str) or not (
+                self.instance_type in LOCAL_TYPES or self.instance_type.startswith("ml.")):
+            raise _fail("instance_type", self.instance_type, "must be 'local_process', 'local', "
+                        "'local_gpu' or a SageMaker type starting with 'ml.'")
+        if self.instance_count is None:
+            raise _fail("instance_count", None, "is required: the number of hosts, e.g. 1")
+        _check_int("instance_count", self.instance_count, minimum=1)
+        _check_int("volume_size", self.volume_size, minimum=1)
+        _check_int("max_run", self.max_run, minimum=1)
+        _check_int("max_wait", self.max_wait, minimum=1, optional=True)
+        _check_int("keep_alive_period_in_seconds", self.keep_alive_period_in_seconds,
+                   minimum=0, maximum=3600, optional=True)
+        if isinstance(self.container_log_level, bool) or not isinstance(self.container_log_level, int):
+            raise _fail("container_log_level", self.container_log_level,
+                        "must be a logging level number such as logging.INFO (20)")
+        if self.input_mode not in INPUT_MODES:
+            raise _fail("input_mode", self.input_mode, f"must be one of {', '.join(INPUT_MODES)}")
+        if self._local and self.input_mode == "Pipe":
+            raise _fail("input_mode", "Pipe", "is not available in local modes; use 'File'")
+
+    def _validate_code(self) -> None:
+        ep = self.entry_point
+        if ep is None:
+            raise _fail("entry_point", None, "is required: the path of your training script")
+        if not isinstance(ep, (str, os.PathLike)):
+            raise _fail("entry_point", ep, "must be a path string such as 'train.py'")
+        ep = os.fspath(ep)
+        if ep.startswith("s3://"):
+            raise _fail("entry_point", ep, "must be a path to a local file (s3:// is not "
+                        "supported); download the script and pass its path")
+        if self.source_dir is not None:
+            src = os.fspath(self.source_dir)
+            if src.startswith("s3://"):
+                raise _fail("source_dir", src, "must be a local folder (s3:// is not supported)")
+            if not Path(src).is_dir():
+                raise _fail("source_dir", src, "must be an existing folder")
+            if not (Path(src) / ep).is_file():
+                raise _fail("entry_point", ep, f"was not found in source_dir {src!r}; give it "
+                            "relative to source_dir")
+        elif not Path(ep).is_file():
+            raise _fail("entry_point", ep, "does not exist or is not a file; give the script's path")
+        if not isinstance(self.dependencies, list):
+            raise _fail("dependencies", self.dependencies, "must be a list of local paths")
+        for dep in self.dependencies:
+            if not isinstance(dep, (str, os.PathLike)) or not Path(dep).exists():
+                raise _fail("dependencies", dep, "must be an existing local file or folder")
+
+    def _check_uri(self, key: str, value: Any, *, remote_only_s3: bool = True) -> None:
+        if value is None:
+            return
+        if not isinstance(value, str) or not value:
+            raise _fail(key, value, "must be a URI string")
+        if self._local:
+            if value.startswith("s3://"):
+                raise _fail(key, value, "local modes use no AWS account: give a file:// URI "
+                            "or a local path")
+        elif value.startswith("file://") or not value.startswith("s3://"):
+            raise _fail(key, value, f"must be an s3:// URI for instance_type {self.instance_type!r}"
+                        " (file:// works only in local modes)")
+
+    def _validate_locations(self) -> None:
+        self._check_uri("output_path", self.output_path)
+        self._check_uri("code_location", self.code_location)
+        self._check_uri("checkpoint_s3_uri", self.checkpoint_s3_uri)
+        cpl = self.checkpoint_local_path
+        if cpl is not None and (not isinstance(cpl, str) or not cpl.startswith("/")):
+            raise _fail("checkpoint_local_path", cpl, "must be an absolute path such as "
+                        "'/opt/ml/checkpoints'")
+        if self.base_job_name is not None and (not isinstance(self.base_job_name, str)
+                                               or not _JOB_NAME.match(self.base_job_name)):
+            raise _fail("base_job_name", self.base_job_name, "must match "
+                        f"{JOB_NAME_PATTERN} (letters, digits, single hyphens inside)")
+
+    def _validate_mappings(self) -> None:
+        if not isinstance(self._hyperparameters, dict):
+            raise _fail("hyperparameters", self._hyperparameters, "must be a dict name -> value")
+        for key, value, kind in (("environment", self.environment, dict),
+                                 ("metric_definitions", self.metric_definitions, list),
+                                 ("tags", self.tags, list)):
+            if not isinstance(value, kind):
+                raise _fail(key, value, f"must be a {kind.__name__}")
+        env = self.environment
+        if len(env) > MAX_ENV:
+            raise _fail("environment", f"{len(env)} entries", f"exceeds the limit of {MAX_ENV}")
+        for key, value in env.items():
+            if not isinstance(key, str) or not _ENV_NAME.match(key) or len(key) > MAX_ENV_KEY:
+                raise _fail("environment", key, "keys must be variable names "
+                            "([A-Za-z_][A-Za-z0-9_]*, <= 512 chars)")
+            if not isinstance(value, str) or len(value) > MAX_ENV_VALUE:
+                raise ConfigError(f"environment[{key!r}]={value!r} must be a string of at most "
+                                  f"{MAX_ENV_VALUE} chars (write str({value!r}))", key=key,
+                                  value=value)
+        self._validate_metric_definitions()
+        if len(self.tags) > MAX_TAGS or not all(
+                isinstance(t, dict) and set(t) == {"Key", "Value"} for t in self.tags):
+            raise _fail("tags", self.tags, "must be a list of at most 50 "
+                        "{'Key': ..., 'Value': ...} dicts")
+
+    def _validate_metric_definitions(self) -> None:
+        names = set()
+        if len(self.metric_definitions) > MAX_METRICS:
+            raise _fail("metric_definitions", len(self.metric_definitions),
+                        f"entries exceed SageMaker's limit of {MAX_METRICS}")
+        for md in self.metric_definitions:
+            if not isinstance(md, dict) or set(md) != {"Name", "Regex"} or \
+                    not all(isinstance(v, str) and v for v in md.values()):
+                raise _fail("metric_definitions", md, "entries must be {'Name': str, 'Regex': str}")
+            try:
+                re.compile(md["Regex"])
+            except re.error as exc:
+                raise _fail("metric_definitions", md["Regex"], f"is not a valid regex ({exc})") from None
+            if md["Name"] in names:
+                raise _fail("metric_definitions", md["Name"], "is defined twice; names must be unique")
+            names.add(md["Name"])
+
+    def _validate_vpc_and_flags(self) -> None:
+        _check_str_list("subnets", self.subnets)
+        _check_str_list("security_group_ids", self.security_group_ids)
+        if (self.subnets is None) != (self.security_group_ids is None):
+            given, missing = ("subnets", "security_group_ids") if self.subnets is not None \
+                else ("security_group_ids", "subnets")
+            raise _fail(missing, None, f"is required when {given} is given: pass both or neither")
+        for key, value in (("use_spot_instances", self.use_spot_instances),
+                           ("enable_network_isolation", self._enable_network_isolation)):
+            if not isinstance(value, bool):
+                raise _fail(key, value, "must be True or False")
+        if self.use_spot_instances and (self.max_wait is None or self.max_wait < self.max_run):
+            raise _fail("max_wait", self.max_wait, f"must be >= max_run ({self.max_run}) when "
+                        "use_spot_instances=True; set max_wait")
+        if not self.use_spot_instances and self.max_wait is not None:
+            raise _fail("max_wait", self.max_wait, "is only used with use_spot_instances=True; "
+                        "set use_spot_instances=True or drop max_wait")
+        if not isinstance(self.backend_options, dict):
+            raise _fail("backend_options", self.backend_options, "must be a dict")
+
+    # ---- hyperparameters and naming ----------------------------------------------------
+
+    def hyperparameters(self) -> dict[str, str]:
+        """The JSON-encoded hyperparameters as the container receives them.
+
+        Returns:
+            User hyperparameters, the framework's (distribution) keys and, after fit(), the
+            sagemaker_* keys of the last job.
+        """
+        encoded = encode_hyperparameters(self._hyperparameters)
+        encoded.update(encode_hyperparameters(self._framework_hyperparameters()))
+        encoded.update(self._reserved)
+        return encoded
+
+    def set_hyperparameters(self, **kwargs: Any) -> None:
+        """Add or replace hyperparameters (SageMaker's method)."""
+        self._hyperparameters.update(kwargs)
+        check_hyperparameter_limits(self.hyperparameters())
+
+    def _region(self) -> str:
+        region = getattr(self.sagemaker_session, "boto_region_name", None)
+        return region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
+            or DEFAULT_REGION
+
+    def _job_name(self, job_name: str | None) -> str:
+        if job_name is not None:
+            if not isinstance(job_name, str) or not _JOB_NAME.match(job_name):
+                raise _fail("job_name", job_name, f"must match {JOB_NAME_PATTERN} "
+                            "(<= 63 letters/digits, single hyphens inside)")
+            return job_name
+        return name_from_base(self.base_job_name or self._default_base_name())
+
+    def _output_path(self) -> str:
+        if self.output_path is not None:
+            if self._local and not self.output_path.startswith("file://"):
+                return "file://" + str(Path(self.output_path).resolve())
+            return self.output_path
+        if self._local:
+            return "file://" + str(Path.cwd() / "fp16_sdk_jobs")
+        bucket = getattr(self.sagemaker_session, "default_bucket", None)
+        # No session yet: "" lets the remote backend use its session's default bucket.
+        return f"s3://{bucket()}/" if bucket is not None else ""
+
+    def _code_uri(self, job_name: str, output_path: str) -> str:
+        """sagemaker_submit_directory; "" when only the remote backend can know it."""
+        if self._local:
+            return f"{output_path.rstrip('/')}/{job_name}/source/sourcedir.tar.gz"
+        if not self.code_location and not output_path:
+            return ""
+        base = self.code_location or "s3://" + output_path[len("s3://"):].split("/", 1)[0]
+        return f"{base.rstrip('/')}/{job_name}/source/sourcedir.tar.gz"
+
+    # ---- running -----------------------------------------------------------------------
+
+    def fit(self, inputs=None, wait: bool = True, logs: bool | str = "All",
+            job_name: str | None = None) -> None:
+        """Validate everything, package the code and start the job.
+
+        Args:
+            inputs: a URI string (channel "training"), a TrainingInput, or a dict channel
+                name -> URI string / TrainingInput. file:// only in local modes.
+            wait: block until the job ends (False: return at once; use latest_training_job).
+            logs: "All"/True streams the job's logs while waiting; "None"/False does not.
+            job_name: the job's name (default `<base>-%Y-%m-%d-%H-%M-%S-<ms>`).
+
+        Raises:
+            ConfigError: invalid input, detected before anything is written or started.
+            TrainingJobFailedError: the job failed (with wait=True).
+        """
+        self._validate()
+        if not isinstance(wait, bool):
+            raise _fail("wait", wait, "must be True or False")
+        if logs not in (True, False, "All", "None", "Rules"):
+            raise _fail("logs", logs, "must be 'All', 'None', True or False")
+        channels = channels_from_inputs(inputs, local=self._local)
+        output_path = self._output_path()
+        name = self._unused_job_name(job_name, output_path)
+        reserved = encode_hyperparameters({
+            "sagemaker_program": self._program(),
+            "sagemaker_submit_directory": self._code_uri(name, output_path),
+            "sagemaker_container_log_level": self.container_log_level,
+            "sagemaker_job_name": name,
+            "sagemaker_region": self._region(),
+        })
+        hyperparameters = {**encode_hyperparameters(self._hyperparameters),
+                           **encode_hyperparameters(self._framework_hyperparameters()), **reserved}
+        check_hyperparameter_limits(hyperparameters)
+        sourcedir = self._package(name, output_path)
+        spec = self._job_spec(name, hyperparameters, sourcedir, channels, output_path)
+        self._reserved, self._current_job_name = reserved, name
+        self.latest_training_job = backend_for(self.instance_type,
+                                               session=self.sagemaker_session).submit(spec)
+        if wait:
+            self.latest_training_job.wait(logs=logs)
+
+    def _unused_job_name(self, job_name: str | None, output_path: str) -> str:
+        """The job's name; local modes also refuse (given) or skip (generated) used names."""
+        name = self._job_name(job_name)
+        if not self._local:
+            return name
+        jobs = Path(output_path[len("file://"):])
+        while job_name is None and (jobs / name).exists():  # two fit()s in one millisecond
+            time.sleep(0.001)
+            name = self._job_name(None)
+        if (jobs / name).exists():
+            raise _fail("job_name", name, f"is already used ({jobs / name} exists); pick a new "
+                        "name or leave job_name unset")
+        return name
+
+    def _package(self, name: str, output_path: str) -> Path:
+        """Build sourcedir.tar.gz: `<job>/source/` in local modes, a temp folder otherwise."""
+        from fp16_sdk.packaging import build_sourcedir  # fit-time only
+
+        if self._local:
+            dest = Path(output_path[len("file://"):]) / name / "source"
+        else:
+            dest = Path(tempfile.mkdtemp(prefix=f"{name}-source-"))
+        try:
+            return build_sourcedir(entry_point=os.fspath(self.entry_point),
+                                   source_dir=self.source_dir,
+                                   dependencies=self.dependencies, dest_dir=dest)
+        except BaseException:
+            shutil.rmtree(dest.parent if self._local else dest, ignore_errors=True)
+            raise
+
+    def _program(self) -> str:
+        """The entry point's name inside sourcedir.tar.gz (SageMaker's sagemaker_program)."""
+        ep = Path(os.fspath(self.entry_point))
+        if self.source_dir is None:
+            return ep.name
+        if ep.is_absolute():
+            return ep.resolve().relative_to(Path(self.source_dir).resolve()).as_posix()
+        return ep.as_posix()
+
+    def _job_spec(self, name, hyperparameters, sourcedir, channels, output_path) -> JobSpec:
+        return JobSpec(
+            job_name=name, instance_type=self.instance_type, instance_count=self.instance_count,
+            hyperparameters=hyperparameters, sourcedir=Path(sourcedir),
+            entry_point=json.loads(hyperparameters["sagemaker_program"]),
+            output_path=output_path, image_uri=self.training_image_uri(), channels=channels,
+            code_location=self.code_location, environment=dict(self.environment),
+            checkpoint_s3_uri=self.checkpoint_s3_uri,
+            checkpoint_local_path=self.checkpoint_local_path,
+            processes_per_host=self._processes_per_host(), volume_size=self.volume_size,
+            max_run=self.max_run, max_wait=self.max_wait,
+            use_spot_instances=self.use_spot_instances, input_mode=self.input_mode,
+            tags=tuple(self.tags), subnets=tuple(self.subnets) if self.subnets else None,
+            security_group_ids=tuple(self.security_group_ids) if self.security_group_ids else None,
+            enable_network_isolation=self._enable_network_isolation,
+            metric_definitions=tuple(self.metric_definitions), role=self.role,
+            keep_alive_period_in_seconds=self.keep_alive_period_in_seconds,
+            container_log_level=self.container_log_level,
+            backend_options=dict(self.backend_options))
+
+    def _require_job(self) -> JobHandle:
+        if self.latest_training_job is None:
+            raise _fail("latest_training_job", None, "is not set: call fit() first")
+        return self.latest_training_job
+
+    def logs(self) -> None:
+        """Print the latest job's logs (all so far, then follow until it ends)."""
+        self._require_job().logs()
+
+    @property
+    def model_data(self) -> str | None:
+        """URI of the latest job's model.tar.gz (None until the job has completed)."""
+        return self._require_job().model_data

@@ -1,0 +1,181 @@
+"""Creation-time context managers (spec §7): they record, TP and PP act later.
+
+While any creation context is open, every `nn.Module` constructed records the options in force
+when its `__init__` started (innermost context wins) into `state.creation[module]`:
+`{"tensor_parallelism": bool, "tp_config": {...}, "partition": int | None,
+"delay_param_initialization": bool, "dtype": torch.dtype | None}`; `set_tensor_parallelism` /
+`set_partition` / `set_activation_checkpointing` write the same record for an existing module.
+`smp.tp_register*` live with the TP code (nn/registry.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+from torch import nn
+
+from .errors import SMPConfigError
+from .state import state
+
+__all__ = [
+    "model_creation", "tensor_parallelism", "set_tensor_parallelism", "partition",
+    "set_partition", "delay_param_initialization",
+    "set_activation_checkpointing", "creation_options", "KNOWN_TP_OPTIONS",
+]
+
+logger = logging.getLogger("smp")
+
+# Options of model_creation/tensor_parallelism seen in real scripts; acted on by smp.nn where
+# implemented. Anything else is recorded too but warned about once.
+KNOWN_TP_OPTIONS = frozenset({
+    "distribute_embedding", "flash_attention", "use_alibi", "zero_init", "attention_in_fp32",
+    "fp32_residual_addition", "query_key_layer_scaling", "fused_softmax", "fused_bias_gelu",
+    "fused_dropout",
+})
+_warned: set[str] = set()
+
+
+_local = threading.local()
+
+
+def _stack() -> list[dict]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def _current() -> dict:
+    options = {"tensor_parallelism": False, "tp_config": {}, "partition": None,
+               "delay_param_initialization": False, "dtype": None}
+    for frame in _stack():
+        for key, value in frame.items():
+            options[key] = dict(options["tp_config"], **value) if key == "tp_config" else value
+    return options
+
+
+_original_init = nn.Module.__init__
+
+
+def _recording_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    if _stack():
+        state.creation[self] = _current()
+
+
+@contextlib.contextmanager
+def _push(frame: dict):
+    stack = _stack()
+    if not stack:
+        nn.Module.__init__ = _recording_init
+    stack.append(frame)
+    try:
+        yield
+    finally:
+        stack.pop()
+        if not stack:
+            nn.Module.__init__ = _original_init
+
+
+def _check_options(options: dict) -> None:
+    for key in options:
+        if key not in KNOWN_TP_OPTIONS and key not in _warned:
+            _warned.add(key)
+            logger.warning("tensor-parallel option %r is not known to this runtime; it is "
+                           "recorded but has no effect (known: %s)", key,
+                           ", ".join(sorted(KNOWN_TP_OPTIONS)))
+
+
+def creation_options(module: nn.Module) -> dict | None:
+    """What the creation contexts recorded for `module` (None if nothing)."""
+    return state.creation.get(module)
+
+
+def tensor_parallelism(enabled: bool = True, **tp_config):
+    """Modules created inside are candidates for tensor parallelism (innermost wins)."""
+    _check_options(tp_config)
+    return _push({"tensor_parallelism": bool(enabled), "tp_config": tp_config})
+
+
+def delay_param_initialization(enabled: bool = True):
+    """Modules created inside initialise their parameters after partitioning."""
+    return _push({"delay_param_initialization": bool(enabled)})
+
+
+def partition(index: int):
+    """Modules created inside go to pipeline stage `index` (ignored when auto_partition).
+
+    Raises:
+        SMPConfigError: index outside 0..pp-1 (when smp.init() has run).
+    """
+    _check_partition(index)
+    return _push({"partition": index})
+
+
+def _check_partition(index) -> None:
+    pp = state.topology.pp if state.topology is not None else None
+    if not isinstance(index, int) or index < 0 or (pp is not None and index >= pp):
+        raise SMPConfigError(f"partition index ({index!r}) must be an integer in 0.."
+                             f"{(pp or 1) - 1} (pipeline_parallel_degree {pp})",
+                             key="partition", value=index)
+
+
+@contextlib.contextmanager
+def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None = None,
+                   **tensor_parallel_config):
+    """Create the model: tensor_parallelism(...) + delay_param_initialization(...) + dtype.
+
+    Args:
+        tensor_parallelism: enable TP for the modules created inside.
+        dtype: default dtype while creating (e.g. torch.float16); None keeps the current one.
+        **tensor_parallel_config: TP options (distribute_embedding, ...); unknown ones warn once.
+    """
+    _check_options(tensor_parallel_config)
+    delayed = bool(tensor_parallel_config.pop("delayed_param_initialization", False)) or \
+        bool(getattr(state.cfg, "delayed_parameter_initialization", False))
+    frame = {"tensor_parallelism": bool(tensor_parallelism), "tp_config": tensor_parallel_config,
+             "delay_param_initialization": delayed, "dtype": dtype}
+    previous = torch.get_default_dtype()
+    state.creation_dtype = dtype
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        with _push(frame):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _record(module: nn.Module, **updates) -> None:
+    record = state.creation.get(module) or _current()
+    record.update(updates)
+    state.creation[module] = record
+
+
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **tp_config) -> None:
+    """Mark an existing module (and, as with the context, what TP finds inside it)."""
+    _check_options(tp_config)
+    _record(module, tensor_parallelism=bool(enabled), tp_config=dict(tp_config))
+
+
+def set_partition(module: nn.Module, index: int) -> None:
+    """Place an existing module on pipeline stage `index`."""
+    _check_partition(index)
+    _record(module, partition=index)
+
+
+def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
+                                 pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
+    """Recompute `module`'s activations in backward; recorded for the pipeline/TP code.
+
+    Raises:
+        SMPConfigError: unknown strategy.
+    """
+    if strategy not in ("each", "contiguous", "group_2", "group_3", "group_4"):
+        raise SMPConfigError(f"activation checkpointing strategy ({strategy!r}) must be 'each', "
+                             f"'contiguous' or 'group_N'", key="strategy", value=strategy)
+    _record(module, activation_checkpointing={"preserve_rng_state": preserve_rng_state,
+                                              "pack_args_as_tuple": pack_args_as_tuple,
+                                              "strategy": strategy})

@@ -1,0 +1,229 @@
+"""fp32 master weights for half-precision parameters, held in flat buffers.
+
+For every (param group, device, dtype) of half parameters a `FlatBucket` owns four flat
+buffers with one layout (each parameter at an offset padded to `_ALIGN` elements, so the
+vectorised multi-tensor kernels see 16-byte aligned views):
+
+    half       model parameters (p.data is re-seated as a view into it)      2 B/elem
+    half_grad  model gradients  (p.grad is a view into it; backward
+               accumulates in place)                                       2 B/elem
+    master     fp32 masters     (the inner optimizer steps these views)    4 B/elem
+    master_grad fp32 master gradients                                      4 B/elem
+
+so the per-step work is a handful of kernels per bucket, whatever the parameter count:
+one reduction for the norm and the inf/NaN check, one fused "unscale and widen" multiply
+(fp16 grad x fp32 factor -> fp32 master grad), the optimizer's own fused step on the master
+views, and one copy master -> half. Parameters are ordered so that those counted in the
+global gradient norm come first: the norm is a reduction over a prefix of the buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["FlatBucket", "MasterParams", "HALF_DTYPES"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_ALIGN = 64  # elements: 128 B for fp16, 256 B for fp32
+_COPIED_ATTRS = ("_smp_distributed", "_smp_tied_duplicate")
+
+
+def _padded(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class FlatBucket:
+    """Half parameters of one group/device/dtype and their fp32 masters, in flat buffers.
+
+    Args:
+        counted: parameters that count in the global gradient norm (placed first).
+        uncounted: parameters that do not (TP-replicated copies off tp_rank 0, tied duplicates).
+    """
+
+    def __init__(self, counted: list[torch.nn.Parameter], uncounted: list[torch.nn.Parameter]):
+        self.params = counted + uncounted
+        first = self.params[0]
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += _padded(p.numel())
+        self.counted_end = sum(_padded(p.numel()) for p in counted)
+        self.numel = total
+        dev, dtype = first.device, first.dtype
+        self.half = torch.zeros(total, dtype=dtype, device=dev)
+        self.half_grad = torch.zeros(total, dtype=dtype, device=dev)
+        self.master = torch.zeros(total, dtype=torch.float32, device=dev)
+        self.master_grad = torch.zeros(total, dtype=torch.float32, device=dev)
+        self.grad_views, self.masters = [], []
+        with torch.no_grad():
+            for p, off in zip(self.params, offsets):
+                n = p.numel()
+                self.half[off:off + n].copy_(p.data.reshape(-1))
+                p.data = self.half[off:off + n].view_as(p)
+                self.grad_views.append(self.half_grad[off:off + n].view_as(p))
+                master = self.master[off:off + n].view_as(p)
+                master.grad = self.master_grad[off:off + n].view_as(p)
+                for attr in _COPIED_ATTRS:
+                    if getattr(p, attr, False):
+                        setattr(master, attr, True)
+                self.masters.append(master)
+            self.master.copy_(self.half)
+        self.attach_grads()
+
+    def attach_grads(self) -> None:
+        """Make every p.grad the view into half_grad (autograd then accumulates in place)."""
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view
+
+    def gather_grads(self) -> None:
+        """Bring the model's gradients into half_grad.
+
+        The usual case costs nothing: backward accumulated into the views. If something
+        replaced p.grad (set_to_none outside the optimizer, a reducer assigning new tensors),
+        the gradients are copied in with one multi-tensor copy and the views re-attached.
+        """
+        grads = [p.grad for p in self.params]
+        if all(g is v for g, v in zip(grads, self.grad_views)):
+            return
+        dst = [v for g, v in zip(grads, self.grad_views) if g is not None and g is not v]
+        src = [g for g, v in zip(grads, self.grad_views) if g is not None and g is not v]
+        missing = [v for g, v in zip(grads, self.grad_views) if g is None]
+        if missing:
+            torch._foreach_zero_(missing)
+        if src:
+            torch._foreach_copy_(dst, src)
+        self.attach_grads()
+
+    def grad_power_sums(self, norm_type: float, *, master: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counted, uncounted) sums of |g|^p (max for p = inf) over the half grads, or over
+        the master grads when `master`; fp64 scalars reduced in fp32.
+
+        Either is non-finite iff a gradient holds inf/NaN (fp16 squares cannot overflow fp32).
+        """
+        flat = self.master_grad if master else self.half_grad
+        parts = (flat[:self.counted_end], flat[self.counted_end:])
+        return tuple(_power_sum(part, norm_type) for part in parts)
+
+    def unscale_into_master(self, factor: torch.Tensor) -> None:
+        """master_grad = fp32(half_grad) * factor, one kernel (factor: 1-element fp32 tensor)."""
+        torch.mul(self.half_grad, factor, out=self.master_grad)
+
+    def copy_to_model(self) -> None:
+        """half = master, one kernel."""
+        self.half.copy_(self.master)
+
+    def copy_from_model(self) -> None:
+        """master = half (after the model's weights were loaded from a checkpoint)."""
+        self.master.copy_(self.half)
+
+
+def _power_sum(x: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    norm = torch.linalg.vector_norm(x, norm_type, dtype=torch.float32).double()
+    return norm if norm_type == float("inf") else norm.pow(norm_type)
+
+
+class MasterParams:
+    """fp32 masters for the half parameters of an optimizer's param groups.
+
+    Rewrites each group's "params" in place: half parameters are replaced by their fp32
+    master views (so the inner optimizer and any LR scheduler act on the masters); fp32
+    parameters stay as they are and are stepped directly.
+
+    Args:
+        param_groups: the inner optimizer's param_groups (modified in place).
+        counts: whether a parameter counts in the global gradient norm.
+    """
+
+    def __init__(self, param_groups: list[dict], *, counts: Callable[[torch.nn.Parameter], bool]):
+        self.buckets: list[FlatBucket] = []
+        self.full_precision: list[torch.nn.Parameter] = []  # fp32 params stepped as they are
+        self.full_precision_counted: list[bool] = []
+        self.model_to_master: dict[int, torch.Tensor] = {}
+        self._counts = counts
+        self._groups: list[list] = []  # per param group: [(master, model param)] of half params
+        for group in param_groups:
+            self.add_group(group)
+
+    def add_group(self, group: dict) -> None:
+        """Give one param group's half parameters masters (rewrites group["params"])."""
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = self._build_group(params, self._counts)
+        self._groups.append([(self.model_to_master[id(p)], p) for p in params
+                             if id(p) in self.model_to_master])
+
+    def _build_group(self, params: list, counts) -> list:
+        keyed: dict[tuple, tuple[list, list]] = {}
+        for p in params:
+            if p.dtype in HALF_DTYPES:
+                counted, uncounted = keyed.setdefault((p.device, p.dtype), ([], []))
+                (counted if counts(p) else uncounted).append(p)
+            else:
+                self.full_precision.append(p)
+                self.full_precision_counted.append(counts(p))
+        for counted, uncounted in keyed.values():
+            bucket = FlatBucket(counted, uncounted)
+            self.buckets.append(bucket)
+            for p, m in zip(bucket.params, bucket.masters):
+                self.model_to_master[id(p)] = m
+        # Keep the user's parameter order inside the group (state_dict indices follow it).
+        return [self.model_to_master.get(id(p), p) for p in params]
+
+    @property
+    def has_half(self) -> bool:
+        return bool(self.buckets)
+
+    def model_params(self) -> Iterable[torch.nn.Parameter]:
+        for bucket in self.buckets:
+            yield from bucket.params
+        yield from self.full_precision
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the half grads (one kernel per bucket; views stay attached) and fp32 grads."""
+        for bucket in self.buckets:
+            bucket.half_grad.zero_()
+            bucket.attach_grads()
+        if set_to_none:
+            for p in self.full_precision:
+                p.grad = None
+        else:
+            grads = [p.grad for p in self.full_precision if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    def copy_to_model(self) -> None:
+        for bucket in self.buckets:
+            bucket.copy_to_model()
+
+    def copy_from_model(self) -> None:
+        for bucket in self.buckets:
+            bucket.copy_from_model()
+
+    def master_tensors(self) -> list[list[torch.Tensor]]:
+        """The masters per param group, in the group's parameter order (for checkpoints)."""
+        return [[m.detach() for m, _ in group] for group in self._groups]
+
+    def load_master_tensors(self, saved: list[list[torch.Tensor]]) -> None:
+        """Copy saved masters in (shapes must match) and refresh the half parameters.
+
+        Raises:
+            CheckpointError: the saved layout differs from this optimizer's parameters.
+        """
+        shapes = [[tuple(m.shape) for m, _ in group] for group in self._groups]
+        got = [[tuple(t.shape) for t in group] for group in saved]
+        if shapes != got:
+            raise CheckpointError(f"saved fp32 masters have shapes {got}, this optimizer's are "
+                             f"{shapes}; load a checkpoint of the same model and partition")
+        with torch.no_grad():
+            dst = [m for group in self._groups for m, _ in group]
+            src = [t.to(m.device) for t, m in zip((t for g in saved for t in g), dst)]
+            if dst:
+                torch._foreach_copy_(dst, src)
+        self.copy_to_model()

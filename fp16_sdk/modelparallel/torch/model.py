@@ -1,0 +1,372 @@
+"""`smp.DistributedModel`: the one wrapped model of a training script.
+
+Wrap time: TP module replacement (tp > 1, by smp.nn's `distribute_tensor_parallel`), the FP16 /
+BF16 wrapper (`fp16.module.FP16Module`), then with pp == 1 device placement, parameter and
+buffer broadcast from the first rank of each data-parallel group, and the gradient reducer.
+With pp > 1 the pipeline engine does partitioning and placement at the first `smp.step`;
+broadcast and the reducer follow it. Gradient maths: see reducer.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import model_state
+from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
+from .reducer import GradReducer, ReductionGroup
+from .state import state
+
+__all__ = ["DistributedModel"]
+
+
+def _distribute_tp(module: nn.Module) -> nn.Module:
+    try:
+        from .nn import auto
+    except ImportError:
+        return module
+    fn = getattr(auto, "distribute_tensor_parallel", None)
+    return fn(module) if fn is not None else module
+
+
+def _is_scaled_batch(t) -> bool:
+    """Reduced/broadcast over RDP: TP shards and other parameters of distributed modules
+    (they see the TP group's batch, identical on its ranks); everything else over DP."""
+    return bool(getattr(t, "_smp_distributed", False) or getattr(t, "_smp_scaled_batch", False))
+
+
+def _fp16_wrapper(module: nn.Module) -> nn.Module:
+    cfg = state.cfg
+    if not (cfg.fp16 or cfg.bf16):
+        return module
+    try:
+        from .fp16.module import BF16Module, FP16Module
+    except ImportError as exc:
+        raise SMPUnsupportedError("fp16/bf16 training needs fp16_sdk.modelparallel.torch.fp16"
+                                  ".module, which is not installed") from exc
+    return FP16Module(module) if cfg.fp16 else BF16Module(module)
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Broadcast tensors from global rank `src`, one flat collective per dtype/device."""
+    by_kind: dict = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for items in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in items])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in items:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class DistributedModel(nn.Module):
+    """Wraps the training script's module; see spec §4 for every argument.
+
+    Raises:
+        SMPError: a second DistributedModel in the process; bad arguments.
+    """
+
+    def __init__(self, module: nn.Module, trace_device: str = "gpu",
+                 trace_execution_times: bool = False, overlapping_allreduce: bool = True,
+                 backward_passes_per_step: int = 1, average_grads_across_microbatches: bool = True,
+                 bucket_cap_mb: float = 25, trace_memory_usage: bool = False,
+                 broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False):
+        state.require_init("smp.DistributedModel")
+        if state.model is not None:
+            raise SMPError("only one smp.DistributedModel may exist per process; wrap the whole "
+                           "model once")
+        if trace_device not in ("gpu", "cpu"):
+            raise SMPConfigError(f"trace_device ({trace_device!r}) must be 'gpu' or 'cpu'",
+                                 key="trace_device", value=trace_device)
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise SMPConfigError(f"backward_passes_per_step ({backward_passes_per_step!r}) must "
+                                 f"be an integer >= 1", key="backward_passes_per_step",
+                                 value=backward_passes_per_step)
+        if not bucket_cap_mb > 0:
+            raise SMPConfigError(f"bucket_cap_mb ({bucket_cap_mb!r}) must be > 0",
+                                 key="bucket_cap_mb", value=bucket_cap_mb)
+        super().__init__()
+        if state.topology.tp > 1:
+            module = _distribute_tp(module)
+        wrapper = _fp16_wrapper(module)
+        self.module = module
+        object.__setattr__(self, "_forward_module", wrapper)  # not a submodule: no key prefix
+        self.trace_device, self.trace_execution_times = trace_device, trace_execution_times
+        self.trace_memory_usage = trace_memory_usage
+        self.overlapping_allreduce = overlapping_allreduce
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.bucket_cap_mb, self.broadcast_buffers = bucket_cap_mb, broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.partitioned = False
+        self._pipeline = None
+        self._reducer: GradReducer | None = None
+        self._post_partition_hooks: OrderedDict = OrderedDict()
+        self._post_step_hooks: OrderedDict = OrderedDict()
+        self._hooks_ran = False
+        self._pending_load = None
+        self._backward_steps = 0          # steps that ran a backward
+        self._backwards_in_step = 0
+        self._sync_this_step = False
+        state.model = self
+        if state.topology.pp == 1:
+            self._partition()
+
+    # ---- partitioning, broadcast, reducer -----------------------------------------------------
+    @property
+    def _pipeline_enabled(self) -> bool:
+        return state.topology.pp > 1
+
+    def _partition(self) -> None:
+        if self._pipeline_enabled:
+            try:
+                from .pipeline.engine import PipelineEngine
+            except ImportError as exc:
+                raise SMPUnsupportedError(
+                    f"pipeline_parallel_degree ({state.topology.pp}) > 1 needs the pipeline "
+                    f"engine (fp16_sdk.modelparallel.torch.pipeline.engine.PipelineEngine), "
+                    f"which is not available") from exc
+            self._pipeline = PipelineEngine(self)  # partitions and places the local stage
+        else:
+            self.module.to(state.device)
+        self._broadcast_state(params=True)
+        self._reducer = self._build_reducer()
+        self.partitioned = True
+
+    def _broadcast_state(self, *, params: bool) -> None:
+        """Make every data-parallel replica equal to the first one of its group."""
+        topo = state.topology
+        tensors = [t for _, t in (self.local_named_parameters() if params else ())]
+        tensors += [t for _, t in self.local_named_buffers()]
+        for distributed, kind in ((False, "dp"), (True, "rdp")):
+            chosen = [t for t in tensors if _is_scaled_batch(t) is distributed]
+            if chosen and topo.size(kind) > 1:
+                src = topo.group(kind, state.rank)[0]
+                _broadcast_coalesced(chosen, src, state.groups.get(kind))
+
+    def _build_reducer(self) -> GradReducer:
+        topo, cfg = state.topology, state.cfg
+        mb_div = cfg.microbatches if self.average_grads_across_microbatches else 1
+        params = [p for _, p in self.local_named_parameters() if p.requires_grad]
+        replicated = [p for p in params if not _is_scaled_batch(p)]
+        distributed = [p for p in params if _is_scaled_batch(p)]
+        rdp_div = topo.rdp if cfg.prescaled_batch else topo.dp  # derivation: reducer.py
+        groups = [ReductionGroup("dp", replicated, state.groups.dp, topo.dp, mb_div * topo.dp),
+                  ReductionGroup("rdp", distributed, state.groups.rdp, topo.rdp, mb_div * rdp_div)]
+        return GradReducer([g for g in groups if g.params], bucket_cap_mb=self.bucket_cap_mb,
+                           overlap=self.overlapping_allreduce,
+                           gradient_as_bucket_view=self.gradient_as_bucket_view)
+
+    # ---- step protocol (called by smp.step) -------------------------------------------------
+    def _pre_step(self) -> None:
+        if not self.partitioned:
+            self._partition()
+        if not self._hooks_ran:
+            self._hooks_ran = True
+            for hook in list(self._post_partition_hooks.values()):
+                hook(self, state.optimizer)
+            if self._pending_load is not None:
+                sd, strict, same = self._pending_load
+                self._pending_load = None
+                self._load(sd, strict=strict, same_partition_load=same)
+        elif self.broadcast_buffers:
+            self._broadcast_state(params=False)
+        self._backwards_in_step = 0
+        self._sync_this_step = (self._backward_steps + 1) % self.backward_passes_per_step == 0
+
+    def _run_pipeline(self, body, mb_args: list) -> list:
+        return self._pipeline.run_step(body, mb_args)
+
+    def _prepare_grad_sync(self, microbatch: int) -> None:
+        """Arm the reducer when `microbatch` is the step's last and the step synchronises.
+
+        Called before each microbatch's backward (by `backward` with pp == 1, by the pipeline
+        engine with pp > 1).
+        """
+        if self._reducer is not None and not self._reducer.armed:
+            last = microbatch == state.num_microbatches - 1
+            self._reducer.arm(last and self._sync_this_step)
+
+    def _post_step(self) -> None:
+        if self._reducer is not None:
+            self._reducer.finish()
+        if self._backwards_in_step:
+            self._backward_steps += 1
+
+    def _run_post_step_hooks(self, optimizer) -> None:
+        """Called by DistributedOptimizer.step() after the inner step."""
+        for hook in list(self._post_step_hooks.values()):
+            hook(self, optimizer)
+
+    # ---- forward / backward -------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if not state.in_step:
+            raise StepError("the DistributedModel was called outside an @smp.step function; "
+                            "move model(...) and model.backward(...) into the step function")
+        if self._pipeline_enabled:
+            return self._pipeline.forward(*args, **kwargs)
+        return self._forward_module(*args, **kwargs)
+
+    def backward(self, tensors, grad_tensors=None) -> None:
+        """Backward pass (replaces loss.backward()); only inside an @smp.step function.
+
+        With fp16 the loss is cast to fp32 and multiplied by the optimizer's loss scale
+        (`grad_tensors`, when given, are scaled instead).
+
+        Raises:
+            StepError: called outside a step.
+        """
+        if not state.in_step:
+            raise StepError("model.backward() was called outside an @smp.step function; call "
+                            "it inside the step, after the forward pass")
+        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        if grad_tensors is not None:
+            grad_tensors = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) \
+                else [grad_tensors]
+        if state.cfg.fp16:
+            scale = float(getattr(state.optimizer, "loss_scale", 1.0) or 1.0)
+            if grad_tensors is None:
+                tensors = [t.float() * scale for t in tensors]
+            else:
+                grad_tensors = [g * scale for g in grad_tensors]
+        self._backwards_in_step += 1
+        if self._pipeline_enabled:
+            self._pipeline.backward(tensors, grad_tensors)
+            return
+        self._prepare_grad_sync(state.microbatch)
+        torch.autograd.backward(tensors, grad_tensors)
+
+    # ---- local views ----------------------------------------------------------------------------
+    def local_named_parameters(self):
+        return model_state.local_named_tensors(self.module, "parameters")
+
+    def local_parameters(self):
+        return (p for _, p in self.local_named_parameters())
+
+    def local_named_buffers(self):
+        return model_state.local_named_tensors(self.module, "buffers")
+
+    def local_buffers(self):
+        return (b for _, b in self.local_named_buffers())
+
+    def local_named_modules(self):
+        return model_state.local_named_modules(self.module)
+
+    def local_modules(self):
+        return (m for _, m in self.local_named_modules())
+
+    def get_module(self) -> nn.Module:
+        """The wrapped module (after TP replacement), without the FP16 wrapper."""
+        return self.module
+
+    # ---- state dicts -----------------------------------------------------------------------------
+    def local_state_dict(self) -> dict:
+        """This rank's entries plus `_smp_is_partial: True`."""
+        return model_state.local_state_dict(self.module)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The full model's state dict, keys as the plain module's (collective over MP)."""
+        return model_state.full_state_dict(self.module)
+
+    def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False,
+                        **kwargs):
+        """Load a full or partial (`_smp_is_partial`) state dict; deferred until after
+        partitioning when pp > 1 (then returns None).
+
+        Returns:
+            torch's (missing_keys, unexpected_keys) result when loaded now.
+        """
+        if not self.partitioned:
+            self._pending_load = (dict(state_dict), strict, same_partition_load)
+            return None
+        return self._load(state_dict, strict=strict, same_partition_load=same_partition_load)
+
+    def _load(self, sd, *, strict: bool, same_partition_load: bool):
+        entries, expected = model_state.prepare_state_dict_for_load(
+            self.module, sd, same_partition_load=same_partition_load)
+        if state.topology.pp == 1:
+            return self.module.load_state_dict(entries, strict=strict)
+        local = {k: v for k, v in entries.items() if k in expected}
+        result = self.module.load_state_dict(local, strict=False)
+        missing = sorted(expected - set(local))
+        if strict and missing:
+            raise SMPError(f"load_state_dict(strict=True): missing local keys {missing[:10]}"
+                           f"{' ...' if len(missing) > 10 else ''}; pass strict=False to "
+                           f"skip them")
+        return result
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def register_post_partition_hook(self, hook) -> RemovableHandle:
+        """Run `hook(model, optimizer)` once, after partitioning, before the first step runs."""
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def register_post_step_hook(self, hook) -> RemovableHandle:
+        """Run `hook(model, optimizer)` after every optimizer.step()."""
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    # ---- tensor-parallel queries --------------------------------------------------------------
+    def distributed_modules(self):
+        """The outermost tensor-parallel modules of the model."""
+        from .nn.auto import distributed_modules
+        return iter(distributed_modules(self.module))
+
+    def is_distributed_parameter(self, param) -> bool:
+        """A tensor-parallel shard (`_smp_distributed`)."""
+        return bool(getattr(param, "_smp_distributed", False))
+
+    def is_distributed_buffer(self, buf) -> bool:
+        return bool(getattr(buf, "_smp_distributed", False))
+
+    def is_scaled_batch_parameter(self, param) -> bool:
+        """Sees the whole TP group's batch: reduced over RDP (shards and the replicated
+        parameters of distributed modules)."""
+        return _is_scaled_batch(param)
+
+    def is_scaled_batch_buffer(self, buf) -> bool:
+        return _is_scaled_batch(buf)
+
+    def default_reducer_named_parameters(self):
+        """(name, param) reduced over the DP group."""
+        return ((n, p) for n, p in self.local_named_parameters()
+                if not self.is_scaled_batch_parameter(p))
+
+    def scaled_batch_reducer_named_parameters(self):
+        """(name, param) reduced over the RDP group."""
+        return ((n, p) for n, p in self.local_named_parameters()
+                if self.is_scaled_batch_parameter(p))
+
+    # ---- misc -----------------------------------------------------------------------------------
+    def cpu(self):
+        """Move the model to the CPU (mp_size 1: all of it is local).
+
+        Raises:
+            SMPUnsupportedError: with model parallelism; use state_dict() for a full CPU copy.
+        """
+        if state.topology.mp > 1:
+            raise SMPUnsupportedError("DistributedModel.cpu() with model parallelism: use "
+                                      "model.state_dict() to get the full model on the CPU")
+        self.module.cpu()
+        return self
+
+    @contextlib.contextmanager
+    def join(self):
+        """Uneven-input context of DDP (needs ddp=True)."""
+        if not state.cfg.ddp:
+            raise SMPConfigError("DistributedModel.join() needs ddp=True in mp_parameters",
+                                 key="ddp", value=state.cfg.ddp)
+        raise SMPUnsupportedError("join() (uneven inputs) is not supported: give every rank "
+                                  "the same number of batches (e.g. DataLoader drop_last=True "
+                                  "with a DistributedSampler)")
+        yield  # pragma: no cover

@@ -1,0 +1,126 @@
+"""State-dict plumbing of DistributedModel: local vs full, TP shards, PP stages.
+
+Seams:
+- TP shards (smp.nn, nn/auto.py): `gather_full_state_dict` all-gathers them over the TP group,
+  `shard_full_state_dict` slices full tensors (and keeps local-shaped ones) for loading.
+- with pp > 1, a module's stage is its `_smp_partition` (set by the partitioner; a module
+  without it takes its parent's); a parameter or buffer is local when its owning module's
+  stage is this rank's pp_rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .state import state
+
+__all__ = ["named_modules_with_stage", "local_named_modules", "local_named_tensors",
+           "full_state_dict", "prepare_state_dict_for_load", "local_state_dict",
+           "PARTIAL_KEY"]
+
+PARTIAL_KEY = "_smp_is_partial"
+
+
+def named_modules_with_stage(root: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:
+    """(name, module, stage) for every module; stage None when nothing assigned one."""
+    def walk(prefix: str, module: nn.Module, inherited):
+        stage = getattr(module, "_smp_partition", inherited)
+        yield prefix, module, stage
+        for name, child in module.named_children():
+            yield from walk(f"{prefix}.{name}" if prefix else name, child, stage)
+    yield from walk("", root, None)
+
+
+def _is_local(stage) -> bool:
+    return state.topology.pp == 1 or stage is None or \
+        stage == state.topology.pp_rank(state.rank)
+
+
+def local_named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module, stage in named_modules_with_stage(root):
+        if _is_local(stage):
+            yield name, module
+
+
+def local_named_tensors(root: nn.Module, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Local parameters (kind="parameters") or buffers (kind="buffers"), each once."""
+    seen = set()
+    for mname, module in local_named_modules(root):
+        items = module._parameters if kind == "parameters" else module._buffers
+        for name, tensor in items.items():
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            yield (f"{mname}.{name}" if mname else name), tensor
+
+
+def _local_keys(root: nn.Module) -> set[str]:
+    keys = set()
+    for mname, module in local_named_modules(root):
+        for key in module.state_dict(prefix=f"{mname}." if mname else "", keep_vars=True):
+            if key.count(".") == (mname.count(".") + 1 if mname else 0):
+                keys.add(key)  # own entries only; children report theirs themselves
+    return keys
+
+
+def local_state_dict(root: nn.Module) -> dict:
+    """This rank's entries (all of them when pp == 1), plus `_smp_is_partial: True`."""
+    full = root.state_dict()
+    if state.topology.pp > 1:
+        local = _local_keys(root)
+        full = {k: v for k, v in full.items() if k in local}
+    out = dict(full)
+    out[PARTIAL_KEY] = True
+    return out
+
+
+def _gather_tp(sd: dict, root: nn.Module) -> dict:
+    if state.topology.tp == 1:
+        return sd
+    from .nn.auto import gather_full_state_dict
+    return dict(gather_full_state_dict(root, sd))
+
+
+def _merge_pp(sd: dict) -> dict:
+    if state.topology.pp == 1:
+        return sd
+    parts: list = [None] * state.topology.pp
+    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in sd.items()},
+                           group=state.groups.pp)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def full_state_dict(root: nn.Module) -> dict:
+    """The whole model's state dict, keys as the plain module's. Collective over the mp group."""
+    sd = local_state_dict(root)
+    sd.pop(PARTIAL_KEY)
+    return _merge_pp(_gather_tp(sd, root))
+
+
+def prepare_state_dict_for_load(root: nn.Module, sd: dict, *, same_partition_load: bool
+                                ) -> tuple[dict, set[str]]:
+    """Turn a full or partial state dict into what this rank loads, and the keys it expects.
+
+    Returns:
+        (entries for `root.load_state_dict(..., strict=False)`, the local keys expected).
+
+    Raises:
+        CheckpointError: a TP tensor with neither the full nor the shard shape.
+    """
+    sd = dict(sd)
+    partial = bool(sd.pop(PARTIAL_KEY, False))
+    topo = state.topology
+    if partial and topo.pp > 1 and not same_partition_load:
+        sd = _merge_pp(sd)  # stage assignment may differ from the one that saved it
+    if topo.tp > 1:
+        from .nn.auto import shard_full_state_dict
+        sd = dict(shard_full_state_dict(root, sd))  # full tensors sliced, shards kept
+    expected = _local_keys(root) if topo.pp > 1 else set(root.state_dict().keys())
+    return sd, expected

@@ -1,0 +1,33 @@
+"""smp.nn: tensor-parallel modules (all sizes global across the TP ranks).
+
+At tensor_parallel_degree 1 every module is a plain module: same maths, no communication.
+"""
+
+from .attention import DistributedAttentionLayer
+from .auto import (distribute_tensor_parallel, distributed_modules, gather_full_state_dict,
+                   is_distributed_parameter, is_scaled_batch_parameter, shard_full_state_dict)
+from .layers import DistributedEmbedding, DistributedLinear, DistributedModule
+from .mappings import TPContext
+from .registry import tp_register, tp_register_with_module
+from .transformer import (DistributedTransformer, DistributedTransformerLayer,
+                          DistributedTransformerLMHead, DistributedTransformerOutputLayer)
+
+__all__ = [
+    "DistributedModule",
+    "DistributedLinear",
+    "DistributedEmbedding",
+    "DistributedAttentionLayer",
+    "DistributedTransformerOutputLayer",
+    "DistributedTransformerLayer",
+    "DistributedTransformer",
+    "DistributedTransformerLMHead",
+    "TPContext",
+    "tp_register",
+    "tp_register_with_module",
+    "distribute_tensor_parallel",
+    "gather_full_state_dict",
+    "shard_full_state_dict",
+    "distributed_modules",
+    "is_distributed_parameter",
+    "is_scaled_batch_parameter",
+]

@@ -1,0 +1,137 @@
+"""DistributedAttentionLayer: self/cross attention split by heads across the TP ranks.
+
+Layout (Megatron): query/key/value are column-parallel (each rank computes heads/tp heads), the
+output projection `dense` is row-parallel. One all-reduce in forward (after `dense`) and one in
+backward (where the replicated input enters the region). Attention itself runs through
+torch's `scaled_dot_product_attention`, so flash / memory-efficient kernels are used on GPU.
+
+Masks follow smp's reference implementation: `attention_mask` is additive, [N, 1, 1, S]
+(0 where attended, a large negative number where masked); with `causal_mask_size` a causal mask
+is applied too (self-attention only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import SMPConfigError
+from .layers import ColumnParallelLinear, DistributedModule, RowParallelLinear, check_divisible
+from .mappings import TPContext, copy_to_tensor_parallel_region
+
+__all__ = ["DistributedAttentionLayer", "MASK_VALUE", "check_layernorm_flags"]
+
+# Additive mask value: large enough to zero a softmax weight, small enough that adding two of
+# them stays finite in fp16 (so fully masked rows give a uniform softmax, not NaN).
+MASK_VALUE = -10000.0
+
+
+def check_layernorm_flags(pre_layernorm: bool, post_layernorm: bool) -> None:
+    """Raise unless at least one of pre_layernorm / post_layernorm is True."""
+    if not (pre_layernorm or post_layernorm):
+        raise SMPConfigError("pre_layernorm and post_layernorm are both False; at least one must "
+                             "be True", key="post_layernorm", value=post_layernorm)
+
+
+def causal_additive_mask(seq_q: int, seq_k: int, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+    """[S_q, S_k] additive mask: MASK_VALUE above the diagonal, 0 elsewhere."""
+    future = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).triu(1 + seq_k - seq_q)
+    return torch.zeros(seq_q, seq_k, dtype=dtype, device=device).masked_fill(future, MASK_VALUE)
+
+
+class DistributedAttentionLayer(DistributedModule):
+    """Attention block: [pre-LN] -> attention -> dense -> dropout -> residual [-> post-LN].
+
+    Args:
+        num_attention_heads: global number of heads (must divide by tp).
+        attention_head_size: channels per head.
+        hidden_size: width of hidden_states (last dim).
+        attention_dropout_prob: dropout on the attention probabilities.
+        hidden_dropout_prob: dropout after the output projection.
+        layernorm_epsilon: LayerNorm eps.
+        initializer_range, use_normal_initialization: normal(0, initializer_range) weights and
+            zero biases when True, else torch's default Linear initialisation.
+        cross_attention: keys/values come from `cross_states`.
+        causal_mask_size: None (no causal mask) or the maximum sequence length.
+        pre_layernorm, post_layernorm: LayerNorm on the input / on (residual + output).
+            With post_layernorm the output is LN(x + attn); without it, x + attn (the residual
+            is kept so pre-LN stacks such as GPT-2 work).
+
+    Forward:
+        inputs: (hidden_states [N,S,H], attention_mask [N,1,1,S] or None), or with
+            cross_attention (hidden_states, cross_states [N,S2,H], attention_mask [N,1,1,S2]).
+        Returns the output tensor [N,S,H].
+
+    Raises:
+        SMPConfigError: num_attention_heads not divisible by tp, both layernorm flags False.
+    """
+
+    def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
+                 hidden_size: int = 1024, attention_dropout_prob: float = 0.1,
+                 hidden_dropout_prob: float = 0.1, layernorm_epsilon: float = 1e-5,
+                 initializer_range: float = 0.02, use_normal_initialization: bool = False,
+                 cross_attention: bool = False, causal_mask_size: int | None = None,
+                 pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 tp_context: TPContext | None = None):
+        super().__init__(tp_context=tp_context)
+        check_divisible("num_attention_heads", num_attention_heads, self.tp.size)
+        check_layernorm_flags(pre_layernorm, post_layernorm)
+        self.num_attention_heads, self.attention_head_size = num_attention_heads, attention_head_size
+        self.local_heads = num_attention_heads // self.tp.size
+        self.hidden_size, self.cross_attention = hidden_size, cross_attention
+        self.causal_mask_size, self.attention_dropout_prob = causal_mask_size, attention_dropout_prob
+        width = num_attention_heads * attention_head_size
+        std = initializer_range if use_normal_initialization else None
+        kw = dict(std=std, tp_context=self.tp)
+        self.query = ColumnParallelLinear(hidden_size, width, **kw)
+        self.key = ColumnParallelLinear(hidden_size, width, **kw)
+        self.value = ColumnParallelLinear(hidden_size, width, **kw)
+        self.dense = RowParallelLinear(width, hidden_size, **kw)
+        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.pre_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) if pre_layernorm else None
+        self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) if post_layernorm else None
+        self._finish()
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        # (N, S, heads/tp * d) -> (N, heads/tp, S, d)
+        n, s, _ = x.shape
+        return x.view(n, s, self.local_heads, self.attention_head_size).transpose(1, 2)
+
+    def _mask(self, attention_mask, seq_q: int, seq_k: int, like: torch.Tensor):
+        """(attn_mask for SDPA, is_causal)."""
+        causal = self.causal_mask_size is not None and not self.cross_attention
+        if causal and seq_k > self.causal_mask_size:
+            raise SMPConfigError(
+                f"sequence length ({seq_k}) exceeds causal_mask_size ({self.causal_mask_size}); "
+                f"build the layer with causal_mask_size >= the longest sequence",
+                key="causal_mask_size", value=self.causal_mask_size)
+        if attention_mask is None:
+            return None, causal and seq_q == seq_k
+        mask = attention_mask.to(like.dtype)  # [N,1,1,S_k] additive
+        if causal:
+            mask = mask + causal_additive_mask(seq_q, seq_k, like.dtype, like.device)
+        return mask, False
+
+    def forward(self, inputs):
+        inputs = self._enter(inputs)
+        if self.cross_attention:
+            hidden_states, cross_states, attention_mask = inputs
+        else:
+            (hidden_states, attention_mask), cross_states = inputs, None
+        normed = self.pre_layernorm(hidden_states) if self.pre_layernorm is not None else hidden_states
+        group = self.tp.group
+        x = copy_to_tensor_parallel_region(normed, group)  # backward: the 1 all-reduce
+        kv = x if cross_states is None else copy_to_tensor_parallel_region(cross_states, group)
+        q, k, v = self._heads(self.query(x)), self._heads(self.key(kv)), self._heads(self.value(kv))
+        mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q)
+        ctx = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.attention_dropout_prob if self.training else 0.0)
+        ctx = ctx.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (N, S, heads/tp * d)
+        out = self.dropout(self.dense(ctx))  # forward: the 1 all-reduce
+        out = out + hidden_states
+        if self.layernorm is not None:
+            out = self.layernorm(out)
+        return self._exit(out)

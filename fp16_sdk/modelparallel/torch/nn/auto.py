@@ -1,0 +1,248 @@
+"""Automatic tensor parallelism at DistributedModel wrap time, and full/shard state dicts.
+
+`distribute_tensor_parallel(module)` walks the module tree top-down. A module's TP options are
+its own record in `state.creation` (what `smp.model_creation(tensor_parallelism=...)`,
+`smp.tensor_parallelism()` or `smp.set_tensor_parallelism()` stored: innermost context wins,
+because the innermost context is the one recorded for a module) or else its parent's. The first
+(outermost) supported module with TP enabled is replaced by its distributed version, its
+weights sharded from the original so the numerics are unchanged; its subtree is not visited
+again. A module that shares a parameter with a module outside its subtree, or whose sizes do
+not divide by tp, is left whole with one log line.
+
+Record format (`state.creation[module]`, a dict): `"tensor_parallelism": bool` and
+`"tp_config": {key: value}` (the context's keyword arguments, e.g. distribute_embedding).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from ..errors import SMPConfigError, CheckpointError
+from .layers import DistributedModule
+from .mappings import TPContext, _all_gather, current_tp_context
+from .registry import Registration, registration_for
+
+__all__ = [
+    "distribute_tensor_parallel",
+    "gather_full_state_dict",
+    "shard_full_state_dict",
+    "distributed_modules",
+    "is_distributed_parameter",
+    "is_scaled_batch_parameter",
+]
+
+log = logging.getLogger("fp16_sdk.modelparallel.tp")
+
+OptionsLookup = Callable[[nn.Module], "dict | None"]
+
+
+def _recorded_options(module: nn.Module) -> dict | None:
+    """{"enabled": bool, **tp_config} from state.creation, or None when nothing was recorded."""
+    from ..state import state
+
+    record = state.creation.get(module) if state.creation is not None else None
+    if not record or "tensor_parallelism" not in record:
+        return None
+    return {"enabled": bool(record["tensor_parallelism"]), **dict(record.get("tp_config") or {})}
+
+
+def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | None = None,
+                               tp_context: TPContext | None = None) -> nn.Module:
+    """Replace the outermost supported, TP-enabled modules of `module` by distributed ones.
+
+    Args:
+        module: the user's model (before DistributedModel wraps it).
+        options: module -> {"enabled": bool, **kwargs} or None (default: state.creation).
+        tp_context: the TP group (default: the running smp job's).
+
+    Returns:
+        The model, changed in place (or the replacement when the root itself is replaced).
+    """
+    ctx = tp_context if tp_context is not None else current_tp_context()
+    if ctx.size == 1:
+        return module
+    lookup = options or _recorded_options
+    owners = _parameter_owners(module)
+    root_opts = lookup(module)
+    if root_opts and root_opts.get("enabled"):
+        replaced = _try_distribute(module, "<root>", root_opts, ctx, owners, module)
+        if replaced is not None:
+            return replaced
+    _walk(module, "", root_opts, lookup, ctx, owners, module)
+    return module
+
+
+def _walk(parent, prefix, parent_opts, lookup, ctx, owners, root) -> None:
+    for name, child in list(parent.named_children()):
+        path = f"{prefix}{name}"
+        opts = lookup(child) or parent_opts
+        if isinstance(child, DistributedModule):
+            continue  # an smp.nn module used directly is distributed already
+        if opts and opts.get("enabled"):
+            replaced = _try_distribute(child, path, opts, ctx, owners, root)
+            if replaced is not None:
+                setattr(parent, name, replaced)
+                continue
+        _walk(child, path + ".", opts, lookup, ctx, owners, root)
+
+
+def _parameter_owners(root: nn.Module) -> dict[int, list[nn.Module]]:
+    """id(parameter) -> every module that holds it directly."""
+    owners: dict[int, list[nn.Module]] = {}
+    for m in root.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(m)
+    return owners
+
+
+def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
+    reg = registration_for(module)
+    if reg is None or (reg.option and not opts.get(reg.option, False)):
+        return None
+    subtree = set(map(id, module.modules()))
+    for p in module.parameters():
+        if any(id(o) not in subtree for o in owners.get(id(p), [])):
+            log.info("tensor parallelism: %s (%s) shares weights with another module; left whole",
+                     path, type(module).__name__)
+            return None
+    args, kwargs = _constructor_args(module, reg, opts)
+    if args is None:
+        log.info("tensor parallelism: %s (%s) was created before its tp_register call; left "
+                 "whole", path, type(module).__name__)
+        return None
+    try:
+        dist_module = reg.dist_module(*args, **kwargs, tp_context=ctx)
+    except SMPConfigError as err:
+        log.info("tensor parallelism: %s (%s) left whole: %s", path, type(module).__name__, err)
+        return None
+    _copy_weights(module, dist_module, path)
+    _attach_hooks(dist_module, reg)
+    log.info("tensor parallelism: %s (%s) -> %s over %d ranks", path, type(module).__name__,
+             reg.dist_module.__name__, ctx.size)
+    return dist_module
+
+
+def _constructor_args(module, reg: Registration, opts: dict):
+    if reg.from_module is not None:
+        args, kwargs = reg.from_module(module)
+    elif hasattr(module, "_smp_init_args"):
+        args, kwargs = module._smp_init_args
+        if reg.init_hook is not None:
+            args, kwargs = reg.init_hook(*args, **kwargs)
+    else:
+        return None, None
+    # context keyword arguments override matching constructor arguments of the dist module
+    accepted = inspect.signature(reg.dist_module.__init__).parameters
+    overrides = {k: v for k, v in opts.items() if k in accepted and k != "tp_context"}
+    return tuple(args), {**dict(kwargs), **overrides}
+
+
+def _copy_weights(original: nn.Module, dist_module: nn.Module, path: str) -> None:
+    """Shard the original's weights into dist_module (same names); else keep its init."""
+    first = next(iter(original.parameters()), None)
+    if first is not None:
+        dist_module.to(device=first.device, dtype=dist_module.tp.param_dtype or first.dtype)
+    full = original.state_dict()
+    if set(full) != set(dist_module.state_dict()):
+        log.info("tensor parallelism: %s: parameter names differ from %s's; the distributed "
+                 "module keeps its own initialisation", path, type(dist_module).__name__)
+        return
+    dist_module.load_state_dict(shard_full_state_dict(dist_module, full))
+    dist_module.train(original.training)
+
+
+def _attach_hooks(dist_module: nn.Module, reg: Registration) -> None:
+    """Translate the original forward's arguments and the distributed module's return value."""
+    if reg.forward_hook is not None:
+        translate = reg.forward_hook
+
+        def pre_hook(_module, args, kwargs):
+            new_args, new_kwargs = translate(*args, **kwargs)
+            return tuple(new_args), dict(new_kwargs)
+
+        dist_module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    if reg.return_hook is not None:
+        ret = reg.return_hook
+        dist_module.register_forward_hook(lambda _module, _args, out: ret(out))
+
+
+# ---- queries -------------------------------------------------------------------------------
+
+def distributed_modules(module: nn.Module) -> list[nn.Module]:
+    """The outermost distributed modules inside module (what DistributedModel reports)."""
+    return [m for m in module.modules()
+            if getattr(m, "_smp_distributed_module", False) and not getattr(m, "_smp_nested", False)]
+
+
+def is_distributed_parameter(param: torch.Tensor) -> bool:
+    """True for a tensor-parallel shard."""
+    return bool(getattr(param, "_smp_distributed", False))
+
+
+def is_scaled_batch_parameter(param: torch.Tensor) -> bool:
+    """True for every parameter of a distributed module (it sees the TP group's batch)."""
+    return bool(getattr(param, "_smp_scaled_batch", False)) or is_distributed_parameter(param)
+
+
+# ---- state dicts ---------------------------------------------------------------------------
+
+def _split_entries(module: nn.Module) -> dict[str, tuple[int, TPContext]]:
+    """state-dict key -> (split dim, TP context) for every sharded tensor under module."""
+    entries = {}
+    for prefix, m in module.named_modules():
+        if isinstance(m, DistributedModule) and m.tp.size > 1:
+            for name, dim in m._smp_split_dims.items():
+                entries[f"{prefix}.{name}" if prefix else name] = (dim, m.tp)
+    return entries
+
+
+def gather_full_state_dict(module: nn.Module, local: Mapping[str, Any] | None = None) -> OrderedDict:
+    """The unsplit state dict (loadable by the same model built with tp = 1). Collective.
+
+    Every TP rank must call it (each shard is all-gathered over its TP group, in key order).
+
+    Args:
+        module: the (possibly distributed) model.
+        local: its local state dict (default: module.state_dict()); keys relative to module.
+
+    Returns:
+        OrderedDict with full tensors (on the shards' device).
+    """
+    sd = OrderedDict(module.state_dict() if local is None else local)
+    for key, (dim, ctx) in _split_entries(module).items():
+        if key in sd:
+            sd[key] = _all_gather(sd[key].detach(), dim, ctx.group)
+    return sd
+
+
+def shard_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> OrderedDict:
+    """Turn a full (unsplit) or local state dict into this rank's local one. No communication.
+
+    A sharded tensor of full size is sliced to this rank's part; one of local size is kept as
+    it is, so either layout loads. The `_smp_is_partial` marker is dropped.
+
+    Raises:
+        CheckpointError: a sharded key's tensor has neither the full nor the local shape.
+    """
+    out = OrderedDict((k, v) for k, v in state_dict.items() if k != "_smp_is_partial")
+    current = module.state_dict()
+    for key, (dim, ctx) in _split_entries(module).items():
+        if key not in out:
+            continue
+        t, want = out[key], tuple(current[key].shape)
+        if tuple(t.shape) == want:
+            continue
+        full = want[:dim] + (want[dim] * ctx.size,) + want[dim + 1:]
+        if tuple(t.shape) != full:
+            raise CheckpointError(
+                f"state dict entry {key!r} has shape {tuple(t.shape)}; expected the full shape "
+                f"{full} or this rank's shard {want} (tensor_parallel_degree {ctx.size})")
+        out[key] = t.chunk(ctx.size, dim=dim)[ctx.rank].clone()
+    return out

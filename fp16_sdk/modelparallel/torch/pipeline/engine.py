@@ -1,0 +1,410 @@
+"""PipelineEngine: runs one stage of the model over a step's microbatches.
+
+Threads: `run_step` starts one thread per microbatch running the user's step body; inside it
+`model(...)` and `model.backward(...)` only post a request and wait. The executor (the calling
+thread) walks this stage's action list (`schedule.run_actions`) and does all the work and all
+the communication: F runs the stage's part of the forward, O takes the model outputs from the
+last stage and hands them to the body, B runs the stage's backward. So bodies run once per
+microbatch as scripts expect, while stages overlap in time as the schedule says.
+
+Stage execution: every stage calls the whole model's forward; the partition's blocks are
+patched so that on stage s a block of an earlier stage returns the activation received from
+s-1 (the output of s-1's last block), s's own blocks compute, and after s's last block the
+forward stops (s < p-1) with that output as the stage's activation. Modules before the blocks
+(embeddings) run under no_grad on stages > 0, so their results, replaced by the received
+activation, cost no graph. Supported model shape: the forward calls the blocks in list order,
+each block's output feeding the next (nanoGPT, HF GPT-2, smp.nn.DistributedTransformer).
+
+Tied weights: a parameter held by modules of several stages (LM head tied to the embedding)
+is `_smp_tied_duplicate = True` on every stage but its first; all copies start equal (the
+whole model is broadcast from stage 0 at partition time) and `finish_step()` sums their
+gradients over the pipeline group, so they stay equal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import StepError
+from ..state import state
+from .p2p import TensorChannel, flatten
+from .partition import Partition, auto_partition, manual_partition
+from .schedule import Kind, build_schedule, run_actions
+
+__all__ = ["PipelineEngine", "PipelineSettings"]
+
+log = logging.getLogger("smp.pipeline")
+
+
+class _StageDone(BaseException):
+    """Unwinds the model's forward after this stage's last block (not an Exception on purpose:
+    user code that catches Exception must not swallow it)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
+class PipelineSettings:
+    """What the engine needs from the runtime (read from `state` unless given)."""
+
+    def __init__(self, *, stage: int, pp_ranks: list[int], group, device, schedule: str,
+                 microbatches: int, active_microbatches: int | None, memory_weight: float,
+                 auto_partition: bool, default_partition: int, recorded=None, rank: int = 0):
+        self.stage, self.pp_ranks, self.group, self.device = stage, list(pp_ranks), group, device
+        self.num_stages = len(self.pp_ranks)
+        self.schedule, self.microbatches = schedule, microbatches
+        self.active_microbatches, self.memory_weight = active_microbatches, memory_weight
+        self.auto_partition, self.default_partition = auto_partition, default_partition
+        self.recorded = recorded or (lambda m: None)
+        self.rank = rank
+
+    @classmethod
+    def from_state(cls) -> "PipelineSettings":
+        cfg, topo = state.cfg, state.topology
+        return cls(stage=topo.pp_rank(state.rank), pp_ranks=topo.group("pp", state.rank),
+                   group=state.groups.pp, device=state.device, schedule=cfg.pipeline,
+                   microbatches=cfg.microbatches, active_microbatches=cfg.active_microbatches,
+                   memory_weight=cfg.memory_weight, auto_partition=cfg.auto_partition,
+                   default_partition=cfg.default_partition, rank=state.rank,
+                   recorded=lambda m: (state.creation.get(m) or {}).get("partition"))
+
+
+class _Slot:
+    """One microbatch's hand-over between its body thread and the executor."""
+
+    def __init__(self, mb: int):
+        self.mb = mb
+        self.request: tuple | None = None     # (args, kwargs) of model(...)
+        self.output: Any = None
+        self.has_output = False
+        self.backward: tuple | None = None    # (tensors, grad_tensors) of model.backward
+        self.backward_done = False
+        self.finished = False
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.received_leaves: list[torch.Tensor] = []  # float leaves of the received activation
+        self.stage_output: Any = None                  # this stage's activation (s < p-1)
+
+
+class _Forward:
+    def __init__(self, received):
+        self.received = received
+        self.reached_blocks = False
+
+
+class PipelineEngine:
+    """Partitions `model.module` at construction and executes steps.
+
+    Args:
+        model: the DistributedModel (uses `.module`, `._forward_module`, optionally
+            `._prepare_grad_sync(mb)`).
+        settings: PipelineSettings; default from the runtime state.
+    """
+
+    def __init__(self, model, settings: PipelineSettings | None = None):
+        self.model = model
+        self.settings = s = settings or PipelineSettings.from_state()
+        self.stage, self.last = s.stage, s.num_stages - 1
+        self.module: nn.Module = model.module
+        self.module.to(s.device)
+        self.channel = TensorChannel(s.group, s.device)
+        if s.auto_partition:
+            self.partition: Partition = auto_partition(self.module, s.num_stages, s.memory_weight)
+        else:
+            self.partition = manual_partition(self.module, s.num_stages,
+                                              recorded=s.recorded, default=s.default_partition)
+        self._mark_modules()
+        self._broadcast_from_first_stage()
+        self._tied = self._mark_tied()
+        self._install_wrappers()
+        self.schedule = build_schedule(s.schedule, s.num_stages, s.microbatches,
+                                       s.active_microbatches)
+        self._cv = threading.Condition()
+        self._local = threading.local()
+        self._forward: _Forward | None = None
+        self._abort: BaseException | None = None
+        self._checked_signature = None
+        if s.rank == 0:
+            log.info(self.partition.describe(self.module))
+
+    # ---- partition-time setup -----------------------------------------------------------------
+    def _mark_modules(self) -> None:
+        """Write `_smp_partition` (read by model_state's local_* and state_dict gathering)."""
+        part = self.partition
+        for name, sub in self.module.named_modules():
+            sub._smp_partition = 0  # ancestors, unused modules; set below for the rest
+        for name in part.pre:
+            _set_stage(self.module.get_submodule(name), 0)
+        for name in part.post:
+            _set_stage(self.module.get_submodule(name), self.last)
+        for i, stage in enumerate(part.block_stage):
+            _set_stage(self.module.get_submodule(part.block_name(i)), stage)
+
+    def _broadcast_from_first_stage(self) -> None:
+        """Every stage's copy equals stage 0's (tied weights start equal; spec §4)."""
+        src = self.settings.pp_ranks[0]
+        tensors = list(self.module.parameters()) + list(self.module.buffers())
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t.data, src=src, group=self.settings.group)
+
+    def _mark_tied(self) -> list[tuple[str, nn.Parameter]]:
+        stages: dict[int, set[int]] = {}
+        names: dict[int, tuple[str, nn.Parameter]] = {}
+        for mname, sub in self.module.named_modules(remove_duplicate=False):
+            for pname, p in sub._parameters.items():
+                if p is not None:
+                    stages.setdefault(id(p), set()).add(sub._smp_partition)
+                    names.setdefault(id(p), (f"{mname}.{pname}" if mname else pname, p))
+        tied = [names[k] for k, st in stages.items() if len(st) > 1]
+        for _, p in tied:
+            if self.stage in stages[id(p)] and self.stage != min(stages[id(p)]):
+                p._smp_tied_duplicate = True
+        self._tied_stages = {id(p): stages[id(p)] for _, p in tied}
+        return sorted(tied, key=lambda item: item[0])
+
+    def _install_wrappers(self) -> None:
+        part, stage = self.partition, self.stage
+        own = [i for i, s in enumerate(part.block_stage) if s == stage]
+        last_own = own[-1]
+        for i, owner in enumerate(part.block_stage):
+            block = self.module.get_submodule(part.block_name(i))
+            block.forward = self._block_forward(block.forward, owner, i == last_own)
+        if stage > 0:
+            for name in part.pre:
+                sub = self.module.get_submodule(name)
+                sub.forward = self._pre_forward(sub.forward)
+
+    def _block_forward(self, original, owner: int, ends_stage: bool):
+        def forward(*args, **kwargs):
+            ctx = self._forward
+            if ctx is None:
+                return original(*args, **kwargs)
+            ctx.reached_blocks = True
+            if owner < self.stage:
+                return ctx.received
+            out = original(*args, **kwargs)
+            if ends_stage and self.stage < self.last:
+                raise _StageDone(out)
+            return out
+        return forward
+
+    def _pre_forward(self, original):
+        def forward(*args, **kwargs):
+            ctx = self._forward
+            if ctx is not None and not ctx.reached_blocks:
+                with torch.no_grad():
+                    return original(*args, **kwargs)
+            return original(*args, **kwargs)
+        return forward
+
+    # ---- local views --------------------------------------------------------------------------
+    def local_module_names(self) -> list[str]:
+        """Qualified names of the modules this stage owns."""
+        return [n for n, m in self.module.named_modules() if m._smp_partition == self.stage]
+
+    # ---- body side (called from the microbatch threads) ----------------------------------------
+    def _my_slot(self, what: str) -> _Slot:
+        slot = getattr(self._local, "slot", None)
+        if slot is None:
+            raise StepError(f"{what} with pipeline_parallel_degree > 1 must be called from the "
+                            f"@smp.step function's body")
+        return slot
+
+    def _wait(self, predicate) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: predicate() or self._abort is not None)
+        if self._abort is not None and not predicate():
+            raise StepError("the pipeline stopped (another microbatch or the executor "
+                            "failed); see the first error") from self._abort
+
+    def forward(self, *args, **kwargs):
+        """model(...) inside the step body: this microbatch's model outputs, on every stage."""
+        slot = self._my_slot("model(...)")
+        if slot.request is not None:
+            raise StepError("model(...) was called twice in one microbatch; with "
+                            "pipeline_parallel_degree > 1 the step body calls it once")
+        with self._cv:
+            slot.request = (args, kwargs)
+            self._cv.notify_all()
+        self._wait(lambda: slot.has_output)
+        return slot.output
+
+    def backward(self, tensors, grad_tensors=None) -> None:
+        """model.backward(...) inside the body; on stages but the last the local value is not
+        used (their backward starts from the gradient received from the next stage)."""
+        slot = self._my_slot("model.backward(...)")
+        with self._cv:
+            slot.backward = (tensors, grad_tensors)
+            self._cv.notify_all()
+        self._wait(lambda: slot.backward_done)
+
+    # ---- executor side -----------------------------------------------------------------------
+    def _await_body(self, slot: _Slot, field: str, call: str) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: getattr(slot, field) is not None or slot.finished)
+        if slot.error is not None:
+            raise slot.error
+        if getattr(slot, field) is None:
+            raise StepError(f"the step body of microbatch {slot.mb} returned without calling "
+                            f"{call}; with pipeline_parallel_degree > 1 every microbatch must "
+                            f"call model(...) and then model.backward(...) once")
+
+    def _deliver(self, slot: _Slot, output) -> None:
+        with self._cv:
+            slot.output, slot.has_output = output, True
+            self._cv.notify_all()
+
+    def _run_forward(self, slot: _Slot) -> None:
+        self._await_body(slot, "request", "model(...)")
+        received = None
+        if self.stage > 0:
+            received = self.channel.recv(self.settings.pp_ranks[self.stage - 1])
+            _, leaves = flatten(received)
+            slot.received_leaves = [t.requires_grad_(True) for t in leaves if t.is_floating_point()]
+        args, kwargs = slot.request
+        self._forward = _Forward(received)
+        try:
+            out = self.model._forward_module(*args, **kwargs)
+        except _StageDone as done:
+            slot.stage_output = done.value
+            self.channel.send(done.value, self.settings.pp_ranks[self.stage + 1])
+            return
+        finally:
+            self._forward = None
+        for dst in self.settings.pp_ranks[:-1]:
+            self.channel.send(out, dst)
+        self._deliver(slot, out)
+
+    def _run_output(self, slot: _Slot) -> None:
+        self._deliver(slot, self.channel.recv(self.settings.pp_ranks[-1]))
+
+    def _run_backward(self, slot: _Slot) -> None:
+        self._await_body(slot, "backward", "model.backward(...)")
+        prepare = getattr(self.model, "_prepare_grad_sync", None)
+        if prepare is not None:
+            prepare(slot.mb)
+        if self.stage == self.last:
+            tensors, grads = slot.backward
+            torch.autograd.backward(tensors, grads)
+        else:
+            grads = self.channel.recv(self.settings.pp_ranks[self.stage + 1])
+            _, outs = flatten(slot.stage_output)
+            outs = [t for t in outs if t.is_floating_point()]
+            if len(outs) != len(grads):
+                raise StepError(f"stage {self.stage} sent {len(outs)} floating tensors but got "
+                                f"{len(grads)} gradients back for microbatch {slot.mb}")
+            pairs = [(t, g) for t, g in zip(outs, grads) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.stage > 0:
+            back = [t.grad if t.grad is not None else torch.zeros_like(t)
+                    for t in slot.received_leaves]
+            self.channel.send(back, self.settings.pp_ranks[self.stage - 1])
+        with self._cv:
+            slot.backward_done = True
+            slot.stage_output, slot.received_leaves = None, []
+            self._cv.notify_all()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def run_step(self, body, microbatch_args: list) -> list:
+        """Run `body(*args, **kwargs)` for every microbatch's (args, kwargs), pipelined.
+
+        Returns:
+            The bodies' return values, by microbatch.
+
+        Raises:
+            StepError: inputs that differ across the pipeline group, a body that skips
+                model()/model.backward(), or the first error any microbatch raised.
+        """
+        if len(microbatch_args) != self.schedule.num_microbatches:
+            raise StepError(f"the step has {len(microbatch_args)} microbatches but the pipeline "
+                            f"was built for {self.schedule.num_microbatches}")
+        self._check_inputs_agree(microbatch_args)
+        slots = [_Slot(mb) for mb in range(len(microbatch_args))]
+        threads = [threading.Thread(target=self._body_thread, args=(slot, body, a, k),
+                                    name=f"smp-microbatch-{slot.mb}", daemon=True)
+                   for slot, (a, k) in zip(slots, microbatch_args)]
+        self._abort = None
+        for t in threads:
+            t.start()
+        handlers = {Kind.FORWARD: lambda mb: self._run_forward(slots[mb]),
+                    Kind.RECV_OUTPUT: lambda mb: self._run_output(slots[mb]),
+                    Kind.BACKWARD: lambda mb: self._run_backward(slots[mb])}
+        try:
+            run_actions(self.schedule.actions(self.stage), handlers)
+        except BaseException as exc:
+            with self._cv:
+                self._abort = exc
+                self._cv.notify_all()
+            for t in threads:
+                t.join()
+            raise
+        for t in threads:
+            t.join()
+        self.channel.flush()
+        for slot in slots:
+            if slot.error is not None:
+                raise slot.error
+        if getattr(self.model, "_reducer", None) is None:
+            self.finish_step()
+        else:
+            self._finish_after_reducer(self.model._reducer)
+        return [slot.result for slot in slots]
+
+    def _body_thread(self, slot: _Slot, body, args, kwargs) -> None:
+        self._local.slot = slot
+        try:
+            slot.result = body(*args, **kwargs)
+        except BaseException as exc:  # handed to the executor, which re-raises it
+            slot.error = exc
+        finally:
+            with self._cv:
+                slot.finished = True
+                self._cv.notify_all()
+
+    def _check_inputs_agree(self, microbatch_args: list) -> None:
+        """Same input shapes on every stage, checked with one collective before any p2p."""
+        _, leaves = flatten(microbatch_args[0])
+        mine = [(tuple(t.shape), str(t.dtype)) for t in leaves]
+        if mine == self._checked_signature:
+            return
+        every: list = [None] * self.settings.num_stages
+        dist.all_gather_object(every, mine, group=self.settings.group)
+        if any(sig != every[0] for sig in every):
+            table = "; ".join(f"stage {s}: {sig}" for s, sig in enumerate(every))
+            raise StepError(f"the step's tensor inputs differ across the pipeline group ({table});"
+                            f" every rank of a pipeline must get the same batch (shard the data "
+                            f"by dp_rank(), or rdp_rank() with prescaled_batch)")
+        self._checked_signature = mine
+
+    def _finish_after_reducer(self, reducer) -> None:
+        """Sum tied gradients once the data-parallel reducer has written its results."""
+        if getattr(reducer, "_smp_pipeline_finish", False) or not self._tied:
+            return
+        original = reducer.finish
+
+        def finish():
+            original()
+            self.finish_step()
+        reducer.finish, reducer._smp_pipeline_finish = finish, True
+
+    def finish_step(self) -> None:
+        """Sum the gradients of tied weights over the pipeline group (collective, every stage)."""
+        for _, p in self._tied:
+            holds = self.stage in self._tied_stages[id(p)]
+            grad = p.grad if holds and p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, group=self.settings.group)
+            p.grad = grad if holds else None
+
+
+def _set_stage(module: nn.Module, stage: int) -> None:
+    for sub in module.modules():
+        sub._smp_partition = stage

@@ -1,0 +1,239 @@
+"""Which stage owns which module: contiguous stages over the model's list of blocks.
+
+The model is read as `pre -> blocks[0..n-1] -> post`: the blocks are the children of the
+largest `nn.ModuleList`/`nn.Sequential` in the tree (by parameter count, at least two
+children; `DistributedTransformer`'s layer list qualifies). Along the path from the root to
+that list, the siblings registered before the path are `pre` (embeddings: always stage 0) and
+those registered after it `post` (final norm, LM head: always the last stage); registration
+order stands for call order, as in every model built the usual way (the engine raises if a
+forward breaks it). The ancestors' own parameters belong to stage 0.
+
+Automatic partitioning balances, over contiguous runs of blocks (each stage at least one), the
+cost `memory_weight * param_share + (1 - memory_weight) * compute_share`, where param_share is
+a module's parameter count over the model's, and compute_share its count of parameters that
+take part in matrix products (all but embedding tables: a dense layer costs 2 FLOPs per
+parameter per token, a table lookup none) over the model's. pre's cost is added to stage 0 and
+post's to the last stage; the split minimises the largest stage cost (exact dynamic programme,
+n*n*p). The decision is pure arithmetic on the module tree, so every rank makes the same one
+without communicating.
+
+Manual partitioning (`auto_partition: False`): a block's stage is the innermost
+`smp.partition(i)` / `smp.set_partition(module, i)` recorded on it or an ancestor, else
+`default_partition`; the stages must not decrease along the block list and every stage needs a
+block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import SMPConfigError
+
+__all__ = ["Partition", "find_blocks", "balance", "auto_partition", "manual_partition"]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The decision.
+
+    Attributes:
+        num_stages: p.
+        blocks_path: qualified name of the block list ("" when the root is the list).
+        block_stage: stage of each block, non-decreasing.
+        pre, post: names of the modules run before / after the blocks.
+        param_stage: owning stage of every parameter, by qualified name.
+        mode: "auto" or "manual".
+    """
+
+    num_stages: int
+    blocks_path: str
+    block_stage: tuple[int, ...]
+    pre: tuple[str, ...]
+    post: tuple[str, ...]
+    param_stage: dict[str, int]
+    mode: str
+
+    def block_name(self, i: int) -> str:
+        return f"{self.blocks_path}.{i}" if self.blocks_path else str(i)
+
+    def describe(self, module: nn.Module) -> str:
+        """Log text: module -> stage and parameter counts per stage."""
+        params = dict(module.named_parameters())
+        per_stage = [0] * self.num_stages
+        for name, stage in self.param_stage.items():
+            per_stage[stage] += params[name].numel()
+        lines = [f"pipeline partition ({self.mode}) into {self.num_stages} stages:"]
+        for name in self.pre:
+            lines.append(f"  {name} -> stage 0 (before the blocks)")
+        for i, s in enumerate(self.block_stage):
+            n = sum(p.numel() for p in module.get_submodule(self.block_name(i)).parameters())
+            lines.append(f"  {self.block_name(i)} -> stage {s} ({n} parameters)")
+        for name in self.post:
+            lines.append(f"  {name} -> stage {self.num_stages - 1} (after the blocks)")
+        lines.append("  parameters per stage: " + ", ".join(
+            f"stage {s}: {n}" for s, n in enumerate(per_stage)))
+        return "\n".join(lines)
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_blocks(module: nn.Module) -> tuple[str, nn.Module]:
+    """The (qualified name, container) of the model's block list.
+
+    Raises:
+        SMPConfigError: no ModuleList/Sequential with at least two children.
+    """
+    best: tuple[int, int, str, nn.Module] | None = None
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) >= 2:
+            key = (_count(sub), -name.count("."))
+            if best is None or key > best[:2]:
+                best = (*key, name, sub)
+    if best is None:
+        raise SMPConfigError(
+            f"pipeline_parallel_degree > 1 needs the model ({type(module).__name__}) to hold "
+            f"its layers in an nn.ModuleList or nn.Sequential of at least two blocks; none "
+            f"was found", key="pipeline_parallel_degree")
+    return best[2], best[3]
+
+
+def _pre_post(module: nn.Module, blocks_path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Siblings of the root-to-blocks path registered before it (pre) and after it (post)."""
+    pre, post, node, prefix = [], [], module, ""
+    for part in blocks_path.split(".") if blocks_path else []:
+        seen_path = False
+        for name, child in node.named_children():
+            if name == part:
+                seen_path = True
+            else:
+                (post if seen_path else pre).append(prefix + name)
+        node, prefix = getattr(node, part), f"{prefix}{part}."
+    return tuple(pre), tuple(post)
+
+
+def _compute_params(module: nn.Module) -> int:
+    """Parameters used in matrix products: everything but embedding tables."""
+    tables = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) or
+              "Embedding" in type(m).__name__ for p in m.parameters(recurse=False)}
+    return sum(p.numel() for p in module.parameters() if id(p) not in tables)
+
+
+def _param_owners(module, blocks_path, block_stage, pre, post, p) -> dict[str, int]:
+    owner_of_module = {name: 0 for name in pre}
+    owner_of_module.update({name: p - 1 for name in post})
+    prefix = f"{blocks_path}." if blocks_path else ""
+    owner_of_module.update({f"{prefix}{i}": s for i, s in enumerate(block_stage)})
+    owners = {}
+    for pname, _ in module.named_parameters():
+        stage, best = 0, -1
+        for mname, s in owner_of_module.items():
+            if (mname == "" or pname.startswith(f"{mname}.")) and len(mname) > best:
+                stage, best = s, len(mname)
+        owners[pname] = stage
+    return owners
+
+
+def balance(costs: list[float], p: int, *, first_extra: float = 0.0,
+            last_extra: float = 0.0) -> list[int]:
+    """Stage of each block: contiguous, every stage non-empty, minimising the largest stage cost.
+
+    Raises:
+        SMPConfigError: fewer blocks than stages.
+    """
+    n = len(costs)
+    if n < p:
+        raise SMPConfigError(f"pipeline_parallel_degree ({p}) must not exceed the number of "
+                             f"blocks ({n}) in the model's layer list; lower it or use more "
+                             f"layers", key="pipeline_parallel_degree", value=p)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][j]: smallest max-cost splitting blocks[0:j] into stages 0..k-1
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    cut = [[0] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for k in range(1, p + 1):
+        for j in range(k, n - (p - k) + 1):
+            for i in range(k - 1, j):
+                load = prefix[j] - prefix[i] + (first_extra if k == 1 else 0.0)
+                load += last_extra if k == p else 0.0
+                value = max(best[k - 1][i], load)
+                if value < best[k][j] - 1e-12:
+                    best[k][j], cut[k][j] = value, i
+    stages, j = [0] * n, n
+    for k in range(p, 0, -1):
+        i = cut[k][j]
+        for b in range(i, j):
+            stages[b] = k - 1
+        j = i
+    return stages
+
+
+def auto_partition(module: nn.Module, p: int, memory_weight: float) -> Partition:
+    """Balanced contiguous partition (module docstring).
+
+    Raises:
+        SMPConfigError: no block list, or fewer blocks than stages.
+    """
+    path, blocks = find_blocks(module)
+    pre, post = _pre_post(module, path)
+    total_params = max(_count(module), 1)
+    total_compute = max(_compute_params(module), 1)
+
+    def cost(name: str) -> float:
+        sub = module.get_submodule(name)
+        return (memory_weight * _count(sub) / total_params +
+                (1 - memory_weight) * _compute_params(sub) / total_compute)
+
+    stages = balance([cost(_child(path, i)) for i in range(len(blocks))], p,
+                     first_extra=sum(cost(n) for n in pre), last_extra=sum(cost(n) for n in post))
+    owners = _param_owners(module, path, stages, pre, post, p)
+    return Partition(p, path, tuple(stages), pre, post, owners, "auto")
+
+
+def _child(path: str, i: int) -> str:
+    return f"{path}.{i}" if path else str(i)
+
+
+def manual_partition(module: nn.Module, p: int, *,
+                     recorded: Callable[[nn.Module], int | None], default: int) -> Partition:
+    """Partition from smp.partition / set_partition records.
+
+    Args:
+        recorded: module -> the stage recorded for it, or None.
+        default: default_partition.
+
+    Raises:
+        SMPConfigError: a stage out of range, stages decreasing along the blocks, or a stage
+            without blocks.
+    """
+    path, blocks = find_blocks(module)
+    pre, post = _pre_post(module, path)
+    chain = [module] + [module.get_submodule(".".join(path.split(".")[:k]))
+                        for k in range(1, len(path.split(".")) + 1)] if path else [module]
+    stages = []
+    for i, block in enumerate(blocks):
+        stage = default
+        for m in chain + [block]:  # outermost first, so the innermost record wins
+            stage = recorded(m) if recorded(m) is not None else stage
+        if not 0 <= stage < p:
+            raise SMPConfigError(f"partition index ({stage}) of {_child(path, i)} must be in "
+                                 f"0..{p - 1} (pipeline_parallel_degree {p})",
+                                 key="default_partition", value=stage)
+        stages.append(stage)
+    empty = sorted(set(range(p)) - set(stages))
+    if any(b < a for a, b in zip(stages, stages[1:])) or empty:
+        raise SMPConfigError(
+            f"manual partition {stages} of the blocks of '{path}' must be non-decreasing and "
+            f"give every stage a block (stages without one: {empty}); use smp.partition(i) "
+            f"or smp.set_partition so stage indices rise along the layers",
+            key="auto_partition", value=False)
+    owners = _param_owners(module, path, stages, pre, post, p)
+    return Partition(p, path, tuple(stages), pre, post, owners, "manual")

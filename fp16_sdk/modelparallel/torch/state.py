@@ -1,0 +1,67 @@
+"""The one global the smp API demands: what `smp.init()` set up, and what is running now.
+
+Fields (docs/internals.md "Runtime state"):
+- cfg: the `SMPParameters` (attribute access to every key of the config table).
+- topology: the immutable `Topology`; groups: the `ProcessGroups` built once by comm.
+- device: this rank's torch.device; backend: "nccl" or "gloo".
+- rank, local_rank, local_size: this process' place in the world and on its host.
+- model / optimizer: the one DistributedModel / DistributedOptimizer.
+- creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
+  PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used.
+- in_step, microbatch (index inside the running step, else None), num_microbatches,
+  step_count (completed steps).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from .errors import SMPNotInitializedError
+
+__all__ = ["state", "RuntimeState"]
+
+
+class RuntimeState:
+    """Mutable runtime state; one instance, `state`."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (`smp.init` starts from here; tests use it between cases)."""
+        self.initialized = False
+        self.cfg: Any = None
+        self.topology: Any = None
+        self.groups: Any = None
+        self.device: Any = None
+        self.backend: str | None = None
+        self.rank = 0
+        self.local_rank = 0
+        self.local_size = 1
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        self.creation_dtype: Any = None
+        self.in_step = False
+        self.microbatch: int | None = None
+        self.step_count = 0
+        self.owns_process_group = False
+
+    @property
+    def num_microbatches(self) -> int:
+        """microbatches from the config (1 before init)."""
+        return self.cfg.microbatches if self.cfg is not None else 1
+
+    def require_init(self, what: str) -> None:
+        """Raise unless smp.init() has run.
+
+        Raises:
+            SMPNotInitializedError: naming `what` needed it.
+        """
+        if not self.initialized:
+            raise SMPNotInitializedError(f"{what} needs smp.init(); call smp.init() at the top "
+                                         f"of the training script")
+
+
+state = RuntimeState()

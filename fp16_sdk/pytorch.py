@@ -1,0 +1,144 @@
+"""`PyTorch`: the estimator SageMaker users know, `from fp16_sdk.pytorch import PyTorch`.
+
+Image defaults (decided here; the SageMaker SDK would look up an AWS Deep Learning Container):
+- `image_uri` given: used by every backend.
+- `instance_type="local"` / `"local_gpu"`: the image fp16_sdk builds locally,
+  `fp16-sdk-training:latest-cpu` / `fp16-sdk-training:latest-gpu` (see fp16_sdk.image).
+- `instance_type="local_process"`: no image; the toolkit runs in this Python. The SageMaker rule
+  "framework_version and py_version, or image_uri" still applies so a notebook that runs here
+  also runs on SageMaker; a version that differs from the installed torch / Python is a warning.
+- SageMaker / EC2 types: `image_uri` is required (the AWS PyTorch images do not carry this
+  project's toolkit and runtime; push the fp16_sdk image to ECR and pass its URI).
+The default base job name is the image's repository name, "pytorch-training" without an image
+(the name SageMaker derives from its PyTorch image).
+
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import inspect
+import logging
+import re
+import sys
+from typing import Any
+
+from fp16_sdk.config import DistributionConfig
+from fp16_sdk.errors import ConfigError
+from fp16_sdk.estimator import Estimator, base_name_from_image
+
+__all__ = ["PyTorch", "LOCAL_IMAGE_CPU", "LOCAL_IMAGE_GPU"]
+
+logger = logging.getLogger(__name__)
+
+LOCAL_IMAGE_CPU = "fp16-sdk-training:latest-cpu"
+LOCAL_IMAGE_GPU = "fp16-sdk-training:latest-gpu"
+_PY_VERSION = re.compile(r"^py3\d*$")
+_FRAMEWORK_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
+_COMMON = tuple(p for p in inspect.signature(Estimator.__init__).parameters
+                if p not in ("self", "image_uri", "entry_point", "source_dir", "hyperparameters"))
+# SageMaker SDK v1 names people still paste.
+_V1_NAMES = {"train_instance_count": "instance_count", "train_instance_type": "instance_type",
+             "train_volume_size": "volume_size", "train_max_run": "max_run",
+             "train_use_spot_instances": "use_spot_instances", "train_max_wait": "max_wait",
+             "image_name": "image_uri"}
+
+
+class PyTorch(Estimator):
+    """A PyTorch training job (script mode), as `sagemaker.pytorch.PyTorch`.
+
+    Args:
+        entry_point: the training script (relative to source_dir when that is given).
+        framework_version: PyTorch version, e.g. "2.1.0" (needed unless image_uri is given).
+        py_version: Python version, e.g. "py310" (needed unless image_uri is given).
+        source_dir: folder packaged as the code.
+        hyperparameters: {name: value}, passed to the script as `--name value`.
+        image_uri: the training image (see the module docstring for defaults).
+        distribution: {"smdistributed": {"modelparallel": {...}}, "mpi": {...}} or
+            {"torch_distributed": {"enabled": True}}; unknown keys are errors.
+        **common: the Estimator arguments (role, instance_count, instance_type, output_path...).
+
+    Raises:
+        ConfigError: any invalid argument, before anything is written or started.
+    """
+
+    def __init__(self, entry_point: str, framework_version: str | None = None,
+                 py_version: str | None = None, source_dir: str | None = None,
+                 hyperparameters: dict | None = None, image_uri: str | None = None,
+                 distribution: dict | None = None, **common: Any):
+        for key in common:
+            if key not in _COMMON:
+                close = _V1_NAMES.get(key) or next(iter(difflib.get_close_matches(key, _COMMON, 1)), None)
+                hint = f"did you mean {close!r}?" if close else "see the Estimator arguments"
+                raise ConfigError(f"{key}={common[key]!r} is not a PyTorch estimator argument; "
+                                  f"{hint}", key=key, value=common[key])
+        self.framework_version, self.py_version = framework_version, py_version
+        self.distribution = distribution
+        self._distribution_config: DistributionConfig | None = None
+        super().__init__(image_uri, entry_point=entry_point, source_dir=source_dir,
+                         hyperparameters=hyperparameters, **common)
+        if self.instance_type == "local_process" and self.image_uri is None:
+            self._warn_version_mismatch()
+
+    def _validate_framework(self) -> None:
+        if self.image_uri is None and (self.framework_version is None or self.py_version is None):
+            missing = "framework_version" if self.framework_version is None else "py_version"
+            raise ConfigError(
+                f"{missing}=None while image_uri is also None: give both framework_version "
+                "(e.g. '2.1.0') and py_version (e.g. 'py310'), or give image_uri", key=missing)
+        if self.framework_version is not None and (
+                not isinstance(self.framework_version, str)
+                or not _FRAMEWORK_VERSION.match(self.framework_version)):
+            raise ConfigError(f"framework_version={self.framework_version!r} must look like "
+                              "'2.1' or '2.1.0'", key="framework_version",
+                              value=self.framework_version)
+        if self.py_version is not None and (not isinstance(self.py_version, str)
+                                            or not _PY_VERSION.match(self.py_version)):
+            raise ConfigError(f"py_version={self.py_version!r} must look like 'py3' or 'py310'",
+                              key="py_version", value=self.py_version)
+        if self.image_uri is not None and (not isinstance(self.image_uri, str) or not self.image_uri):
+            raise ConfigError(f"image_uri={self.image_uri!r} must be an image name or URI",
+                              key="image_uri", value=self.image_uri)
+        if self.image_uri is None and not self._local:
+            raise ConfigError(
+                f"image_uri=None with instance_type={self.instance_type!r}: SageMaker jobs need "
+                "the fp16_sdk training image in ECR; push it (see fp16_sdk.image) and pass "
+                "image_uri='<account>.dkr.ecr.<region>.amazonaws.com/fp16-sdk-training:<tag>'",
+                key="image_uri")
+        self._distribution_config = (
+            None if self.distribution is None else DistributionConfig.parse(
+                self.distribution, instance_count=self.instance_count,
+                instance_type=self.instance_type))
+
+    def _warn_version_mismatch(self) -> None:
+        try:
+            installed = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed and installed.split(".")[:2] != self.framework_version.split(".")[:2]:
+            logger.warning("framework_version %s differs from the installed torch %s; "
+                           "local_process runs the installed one", self.framework_version, installed)
+        here = f"py{sys.version_info.major}{sys.version_info.minor}"
+        if self.py_version not in ("py3", here):
+            logger.warning("py_version %s differs from this Python (%s); local_process runs "
+                           "this one", self.py_version, here)
+
+    def training_image_uri(self) -> str | None:
+        """The image the job runs in; None for local_process without image_uri."""
+        if self.image_uri is not None:
+            return self.image_uri
+        return {"local": LOCAL_IMAGE_CPU, "local_gpu": LOCAL_IMAGE_GPU}.get(self.instance_type)
+
+    def _default_base_name(self) -> str:
+        image = self.training_image_uri()
+        return base_name_from_image(image) if image else "pytorch-training"
+
+    def _framework_hyperparameters(self) -> dict:
+        cfg = self._distribution_config
+        return cfg.hyperparameters() if cfg is not None else {}
+
+    def _processes_per_host(self) -> int | None:
+        cfg = self._distribution_config
+        return cfg.processes_per_host if cfg is not None else None

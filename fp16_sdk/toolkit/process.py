@@ -1,0 +1,193 @@
+"""Running the user's command: own session, signals forwarded to the whole tree, stderr tail.
+
+The child starts in a new session so a SIGTERM from the platform (StopTrainingJob, docker
+stop, Ctrl-C on a local job) reaches the toolkit first; the toolkit then signals every
+process below it. torchrun starts each worker in a session of its own, so killing the child's
+process group is not enough: we also walk /proc for descendants and signal each of them and
+their process groups, then SIGKILL whatever is left after a grace period.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+__all__ = ["ProcessResult", "run_process", "descendants", "DEFAULT_GRACE_S", "TAIL_LINES"]
+
+DEFAULT_GRACE_S = 30.0  # SIGTERM -> SIGKILL; SageMaker allows 120 s for the whole container
+TAIL_LINES = 100
+
+
+@dataclass
+class ProcessResult:
+    """How the child ended.
+
+    Attributes:
+        exit_code: shell convention: the exit status, or 128 + N when killed by signal N.
+        stderr_tail: the last `TAIL_LINES` lines the tree wrote to stderr.
+        stopped_by: the signal the toolkit received and forwarded, if any.
+    """
+
+    exit_code: int
+    stderr_tail: list[str] = field(default_factory=list)
+    stopped_by: int | None = None
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of `pid` (Linux /proc; [] elsewhere)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces or parens, so split after the last ')'
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children[ppid].append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class _Tree:
+    """The child and everything it started, remembered so orphans can still be killed."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.known: set[int] = set()
+
+    def refresh(self) -> None:
+        self.known.update(descendants(self.proc.pid))
+
+    def signal(self, sig: int) -> None:
+        self.refresh()
+        groups = {self.proc.pid}  # the child leads its own session/group
+        for pid in self.known:
+            try:
+                groups.add(os.getpgid(pid))
+            except OSError:
+                pass
+        for target in groups:
+            try:
+                os.killpg(target, sig)
+            except OSError:
+                pass
+        for pid in self.known | {self.proc.pid}:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    def alive(self) -> bool:
+        if self.proc.poll() is None:
+            return True
+        return any(_pid_alive(pid) for pid in self.known)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def _pump_stderr(pipe, tail: collections.deque) -> None:
+    """Copy the child's stderr to ours as it comes, keeping the last lines."""
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    partial = b""
+    while True:
+        chunk = os.read(pipe.fileno(), 65536)
+        if not chunk:
+            break
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        else:
+            sys.stderr.write(chunk.decode("utf-8", "replace"))
+        lines = (partial + chunk).split(b"\n")
+        partial = lines.pop()
+        tail.extend(line.decode("utf-8", "replace") for line in lines)
+    if partial:
+        tail.append(partial.decode("utf-8", "replace"))
+    pipe.close()
+
+
+def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
+                grace_s: float = DEFAULT_GRACE_S, tail_lines: int = TAIL_LINES,
+                forward: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> ProcessResult:
+    """Run `argv` to completion, streaming its output through.
+
+    stdout is inherited (zero copies); stderr goes through a pipe that is copied to our stderr
+    and remembered. On a forwarded signal the whole tree gets SIGTERM, then SIGKILL after
+    `grace_s`. Signal handlers are installed only when called from the main thread.
+
+    Args:
+        argv: the command (never a shell string).
+        env: its full environment.
+        cwd: its working directory.
+        grace_s: seconds between SIGTERM and SIGKILL.
+        tail_lines: how many stderr lines to keep.
+        forward: signals to forward.
+
+    Returns:
+        The ProcessResult.
+    """
+    tail: collections.deque = collections.deque(maxlen=tail_lines)
+    proc = subprocess.Popen(list(argv), env=dict(env), cwd=str(cwd), stdin=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    tree = _Tree(proc)
+    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, tail), daemon=True)
+    pump.start()
+    received: list[int] = []
+
+    def on_signal(signum, _frame):
+        if not received:
+            received.append(signum)
+            tree.signal(signal.SIGTERM)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, on_signal) for sig in forward}
+    try:
+        while proc.poll() is None and not received:
+            tree.refresh()  # remember workers while they live, to reach them if orphaned
+            try:
+                proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        if received:
+            deadline = time.monotonic() + grace_s
+            while tree.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if tree.alive():
+                tree.signal(signal.SIGKILL)
+            proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    pump.join(timeout=5.0)
+    code = proc.returncode
+    return ProcessResult(exit_code=128 - code if code < 0 else code, stderr_tail=list(tail),
+                         stopped_by=received[0] if received else None)

@@ -1,0 +1,1 @@
+"""Alias package: `smdistributed.modelparallel.torch` is `fp16_sdk.modelparallel.torch`."""

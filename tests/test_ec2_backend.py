@@ -1,0 +1,292 @@
+"""The EC2 backend against moto's server mode (127.0.0.1, real HTTP, botocore validation on).
+
+What the emulator does not do: run compute. moto records RunInstances (and validates the AMI,
+instance profile, subnet, security group and key pair exist) but never boots an instance or
+runs its user data. The end-to-end tests therefore fetch each instance's user data back from
+the emulator (DescribeInstanceAttribute) and run it for real with bash inside a Docker
+container standing in for the instance: the training image itself, on the host network so it
+reaches the emulator on 127.0.0.1. The stand-in differs from an instance in three declared
+ways, all through the script's own variables: FP16_SDK_RUNNER=run_train_direct runs `train` from
+the image's PATH instead of `docker run` (no Docker inside the stand-in), FP16_SDK_SHUTDOWN=true
+skips the shutdown, and the test rewrites hosts.json to 127.0.0.1 (the stand-ins' real address)
+after checking the SDK wrote the emulated instances' private addresses there.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import tarfile
+import threading
+
+import pytest
+
+from aws_emulator import REGION, aws, moto_server  # noqa: F401 (fixtures)
+from fp16_sdk.backends.base import Channel, JobSpec, JobStatus, backend_for
+from fp16_sdk.backends.ec2 import EC2Backend, channel_manifest
+from fp16_sdk.errors import ConfigError, TrainingJobFailedError
+from fp16_sdk.packaging import build_sourcedir
+from fp16_sdk.session import EC2Session
+
+IMAGE = "fp16-sdk-training:latest-cpu"
+
+TRAIN_PY = """
+import os, pathlib, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+data = pathlib.Path(os.environ["SM_CHANNEL_TRAIN"])
+words = sorted(p.read_text().strip() for p in data.rglob("*.txt"))
+value = torch.tensor([float(rank + 1)])
+dist.all_reduce(value)
+print(f"rank {rank} of {dist.get_world_size()} on {os.environ['SM_CURRENT_HOST']}: "
+      f"sum={value.item():g} words={words}", flush=True)
+if os.environ.get("FAIL_ON_PURPOSE"):
+    raise ValueError("failing on purpose")
+if rank == 0:
+    pathlib.Path(os.environ["SM_MODEL_DIR"], "model.txt").write_text(f"{value.item():g}")
+    pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"], "metrics.json").write_text('{"ok": 1}')
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def infra(aws):
+    """What an AWS account would already have: AMI, profile, subnet, security group, key."""
+    ec2, iam = aws.client("ec2"), aws.client("iam")
+    ami_id = ec2.register_image(Name="fp16-dlami")["ImageId"]  # stands in for a DLAMI
+    ami = ec2.describe_images(ImageIds=[ami_id])["Images"][0]
+    iam.create_instance_profile(InstanceProfileName="fp16-train")
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24")["Subnet"]["SubnetId"]
+    group = ec2.create_security_group(GroupName="fp16", Description="fp16 hosts",
+                                      VpcId=vpc)["GroupId"]
+    ec2.create_key_pair(KeyName="fp16-key")
+    s3 = aws.client("s3")
+    for bucket in ("data-bucket", "out-bucket"):
+        s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": REGION})
+    for key, text in {"train/a.txt": "alpha", "train/sub/b.txt": "beta",
+                      "train/c.txt": "gamma"}.items():
+        s3.put_object(Bucket="data-bucket", Key=key, Body=text.encode())
+    return {"ami": ami, "subnet": subnet, "group": group}
+
+
+def ec2_session(infra, **kw) -> EC2Session:
+    return EC2Session(ami_id=infra["ami"]["ImageId"], instance_profile="fp16-train",
+                      subnet_id=infra["subnet"], security_group_ids=[infra["group"]],
+                      key_name="fp16-key", poll_interval=0.3, **kw)
+
+
+def make_spec(tmp_path, **overrides) -> JobSpec:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "train.py").write_text(TRAIN_PY)
+    fields = dict(job_name="ec2-job-1", instance_type="ml.c5.xlarge", instance_count=2,
+                  hyperparameters={"sagemaker_program": '"train.py"', "epochs": "1"},
+                  sourcedir=build_sourcedir(entry_point="train.py", source_dir=src,
+                                            dest_dir=tmp_path / "pkg"),
+                  entry_point="train.py", output_path="s3://out-bucket/jobs", image_uri=IMAGE,
+                  channels=(Channel("train", "s3://data-bucket/train"),),
+                  environment={"QUOTED": "it's $(not run) `x`"},
+                  tags=({"Key": "team", "Value": "nlp"},), volume_size=50)
+    fields.update(overrides)
+    return JobSpec(**fields)
+
+
+def instance(ec2, job: str, host: str) -> dict:
+    found = ec2.describe_instances(Filters=[{"Name": "tag:fp16-sdk:job-name", "Values": [job]},
+                                            {"Name": "tag:fp16-sdk:host", "Values": [host]}])
+    return found["Reservations"][0]["Instances"][0]
+
+
+def test_run_instances_carries_every_setting(infra, aws, tmp_path):
+    session = ec2_session(infra)
+    job = backend_for("ml.c5.xlarge", session=session).submit(make_spec(tmp_path))
+    ec2 = aws.client("ec2")
+    for host in ("algo-1", "algo-2"):
+        inst = instance(ec2, "ec2-job-1", host)
+        assert inst["ImageId"] == infra["ami"]["ImageId"]
+        assert inst["InstanceType"] == "c5.xlarge"
+        assert inst["SubnetId"] == infra["subnet"]
+        assert [g["GroupId"] for g in inst["SecurityGroups"]] == [infra["group"]]
+        assert inst["KeyName"] == "fp16-key"
+        volumes = [m["Ebs"]["VolumeId"] for m in inst["BlockDeviceMappings"]
+                   if m["DeviceName"] == infra["ami"]["RootDeviceName"]]
+        assert ec2.describe_volumes(VolumeIds=volumes)["Volumes"][0]["Size"] == 50
+        assert inst["IamInstanceProfile"]["Arn"].endswith("instance-profile/fp16-train")
+        assert {t["Key"]: t["Value"] for t in inst["Tags"]} == {
+            "Name": f"ec2-job-1-{host}", "fp16-sdk:job-name": "ec2-job-1",
+            "fp16-sdk:host": host, "team": "nlp"}
+        behaviour = ec2.describe_instance_attribute(
+            InstanceId=inst["InstanceId"], Attribute="instanceInitiatedShutdownBehavior")
+        assert behaviour["InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
+        script = user_data(ec2, inst["InstanceId"])
+        assert script.startswith("#!/bin/bash") and f"CURRENT_HOST={host}\n" in script
+        assert len(script.encode()) < 16384
+        assert "testing-secret-value" not in script and "AWS_SECRET" not in script
+    hosts = json.loads(session.read_bytes("s3://out-bucket/ec2-job-1/ec2/hosts.json"))
+    assert hosts == {h: instance(ec2, "ec2-job-1", h)["PrivateIpAddress"]
+                     for h in ("algo-1", "algo-2")}
+    assert job.status == JobStatus.IN_PROGRESS
+
+
+def user_data(ec2, instance_id: str) -> str:
+    raw = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+    return base64.b64decode(raw["UserData"]["Value"]).decode()
+
+
+def test_sharded_channel_manifest_matches_a_hand_table(infra, aws, tmp_path):
+    spec = make_spec(tmp_path, channels=(
+        Channel("train", "s3://data-bucket/train", distribution="ShardedByS3Key"),
+        Channel("all", "s3://data-bucket/train/a.txt")))
+    manifest = channel_manifest(spec, aws.client("s3"))
+    # keys sorted: train/a.txt, train/c.txt, train/sub/b.txt -> hosts 1, 2, 1
+    assert manifest == {
+        "algo-1": "train\ts3://data-bucket/train/a.txt\ta.txt\n"
+                  "train\ts3://data-bucket/train/sub/b.txt\tsub/b.txt\n"
+                  "all\ts3://data-bucket/train/a.txt\ta.txt\n",
+        "algo-2": "train\ts3://data-bucket/train/c.txt\tc.txt\n"
+                  "all\ts3://data-bucket/train/a.txt\ta.txt\n"}
+
+
+def test_environment_values_survive_shell_quoting(infra, aws, tmp_path):
+    session = ec2_session(infra)
+    EC2Backend(session).submit(make_spec(tmp_path))
+    env_sh = session.read_bytes("s3://out-bucket/ec2-job-1/ec2/config/algo-1/env.sh").decode()
+    value = subprocess.run(["bash", "-c", env_sh + '\nprintf %s "$QUOTED"'], check=True,
+                           capture_output=True, text=True).stdout
+    assert value == "it's $(not run) `x`"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"channels": (Channel("train", "file:///data"),)}, "inputs[train]"),
+    ({"enable_network_isolation": True}, "enable_network_isolation"),
+    ({"channels": (Channel("train", "s3://data-bucket/nothing-here"),)}, "inputs[train]"),
+])
+def test_bad_specs_fail_before_any_instance_starts(infra, aws, tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as info:
+        EC2Backend(ec2_session(infra)).submit(make_spec(tmp_path, **overrides))
+    assert info.value.key == key
+    assert aws.client("ec2").describe_instances()["Reservations"] == []
+
+
+def test_stop_terminates_and_a_vanished_instance_fails(infra, aws, tmp_path):
+    session = ec2_session(infra)
+    job = EC2Backend(session, out=io.StringIO()).submit(make_spec(tmp_path))
+    ec2 = aws.client("ec2")
+    ec2.terminate_instances(InstanceIds=[instance(ec2, "ec2-job-1", "algo-2")["InstanceId"]])
+    with pytest.raises(TrainingJobFailedError, match="algo-2.*terminated and reported no status"):
+        job.wait(logs=False)
+    assert instance(ec2, "ec2-job-1", "algo-1")["State"]["Name"] == "terminated"
+
+    job2 = EC2Backend(session).submit(make_spec(tmp_path, job_name="ec2-job-2"))
+    job2.stop()
+    assert job2.status == JobStatus.STOPPED
+    assert instance(ec2, "ec2-job-2", "algo-1")["State"]["Name"] == "terminated"
+
+
+# ---- end to end: the user data runs in containers standing in for the instances -----------
+
+def docker_client():
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        client.images.get(IMAGE)
+        return client
+    except Exception as err:  # engine down or image missing
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs the Docker engine and {IMAGE} (container/build_image.sh): {err}")
+        pytest.skip(f"needs the Docker engine and {IMAGE}: {err}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_stand_ins(client, session, aws, job_name: str, hosts: list[str], tmp_path):
+    """Start one container per host running that instance's user data."""
+    ec2 = aws.client("ec2")
+    session.upload_bytes(json.dumps({h: "127.0.0.1" for h in hosts}).encode(),
+                         f"s3://out-bucket/{job_name}/ec2/hosts.json")
+    containers = []
+    for host in hosts:
+        path = tmp_path / f"userdata-{host}.sh"
+        path.write_text(user_data(ec2, instance(ec2, job_name, host)["InstanceId"]))
+        containers.append(client.containers.run(
+            IMAGE, ["bash", "/fp16/userdata.sh"], detach=True, network_mode="host",
+            volumes={str(path): {"bind": "/fp16/userdata.sh", "mode": "ro"}},
+            labels={"fp16-sdk-test": "ec2-stand-in"},
+            environment={"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                         "FP16_SDK_RUNNER": "run_train_direct", "FP16_SDK_SHUTDOWN": "true",
+                         "LOG_INTERVAL": "1"}))
+    return containers
+
+
+def finish(containers) -> list[str]:
+    outputs = []
+    for container in containers:
+        container.wait(timeout=300)
+        outputs.append(container.logs().decode(errors="replace"))
+        container.remove(force=True)
+    return outputs
+
+
+@pytest.mark.docker
+def test_two_host_job_runs_end_to_end_from_user_data(infra, aws, tmp_path):
+    client = docker_client()
+    session = ec2_session(infra)
+    out = io.StringIO()
+    port = str(free_port())
+    spec = make_spec(tmp_path, environment={"FP16_SDK_MASTER_PORT": port})
+    job = EC2Backend(session, out=out).submit(spec)
+    containers = run_stand_ins(client, session, aws, "ec2-job-1", ["algo-1", "algo-2"], tmp_path)
+    try:
+        waiter = threading.Thread(target=job.wait, kwargs={"logs": True})
+        waiter.start()
+        waiter.join(timeout=400)
+        assert not waiter.is_alive(), "job.wait() did not return"
+    finally:
+        consoles = finish(containers)
+    assert job.status == JobStatus.COMPLETED, consoles
+    model = session.read_bytes(job.model_data)
+    with tarfile.open(fileobj=io.BytesIO(model)) as tar:
+        assert tar.getnames() == ["model.txt"]
+        assert tar.extractfile("model.txt").read() == b"3"  # 1 + 2: all-reduce over 2 hosts
+    output = session.read_bytes("s3://out-bucket/jobs/ec2-job-1/output/output.tar.gz")
+    with tarfile.open(fileobj=io.BytesIO(output)) as tar:
+        assert tar.getnames() == ["metrics.json"]
+    for host in ("algo-1", "algo-2"):
+        status = json.loads(session.read_bytes(f"s3://out-bucket/ec2-job-1/ec2/status/{host}.json"))
+        assert status["status"] == "Completed" and status["exit_code"] == 0, status
+    printed = out.getvalue()
+    assert "algo-1 | rank 0 of 2 on algo-1: sum=3 words=['alpha', 'beta', 'gamma']" in printed
+    assert "algo-2 | rank 1 of 2 on algo-2: sum=3 words=['alpha', 'beta', 'gamma']" in printed
+    assert "testing-secret-value" not in printed + "".join(consoles)
+
+
+@pytest.mark.docker
+def test_failing_job_raises_with_host_exit_code_and_reason(infra, aws, tmp_path):
+    client = docker_client()
+    session = ec2_session(infra)
+    spec = make_spec(tmp_path, instance_count=1, environment={"FAIL_ON_PURPOSE": "1",
+                                                              "FP16_SDK_MASTER_PORT": str(free_port())})
+    job = EC2Backend(session, out=io.StringIO()).submit(spec)
+    containers = run_stand_ins(client, session, aws, "ec2-job-1", ["algo-1"], tmp_path)
+    try:
+        with pytest.raises(TrainingJobFailedError) as info:
+            job.wait(logs=True)
+    finally:
+        finish(containers)
+    assert info.value.host == "algo-1"
+    assert info.value.exit_code == 1
+    assert "ExitCode 1" in info.value.reason and "failing on purpose" in info.value.reason
+    ec2 = aws.client("ec2")
+    assert instance(ec2, "ec2-job-1", "algo-1")["State"]["Name"] == "terminated"
+    assert job.model_data is None

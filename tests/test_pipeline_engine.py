@@ -1,0 +1,247 @@
+"""PipelineEngine on real Gloo process groups against a single-process reference."""
+
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from fp16_sdk.errors import ConfigError
+from fp16_sdk.modelparallel.torch.pipeline.engine import PipelineEngine, PipelineSettings
+from fp16_sdk.modelparallel.torch.pipeline.partition import auto_partition, balance
+
+VOCAB, HIDDEN, SEQ, BATCH, MB = 11, 8, 3, 8, 4
+
+
+class Block(nn.Module):
+    def __init__(self, delay=0.0):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.delay = delay
+
+    def forward(self, x):
+        if self.delay:
+            x = _Sleep.apply(x, self.delay)
+        return x + torch.tanh(self.fc(x))
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class TinyLM(nn.Module):
+    """Embedding -> blocks -> norm -> head tied to the embedding."""
+
+    def __init__(self, layers=4, delay=0.0):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block(delay) for _ in range(layers))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids):
+        x = self.wte(ids)              # (mb, seq, hidden)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))  # (mb, seq, vocab)
+
+
+class _Holder:
+    """The two attributes of a DistributedModel the engine uses."""
+
+    def __init__(self, module):
+        self.module = module
+        self._forward_module = module
+
+
+def _batches(steps):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(steps)]
+
+
+def _reference(steps, lr):
+    torch.manual_seed(100)  # stage 0's seed: its copy is the one every stage starts from
+    model = TinyLM()
+    losses, grads = [], []
+    for ids, target in _batches(steps):
+        model.zero_grad()
+        mb_losses = []
+        for ids_mb, t_mb in zip(ids.chunk(MB), target.chunk(MB)):
+            loss = F.cross_entropy(model(ids_mb).flatten(0, 1), t_mb.flatten())
+            loss.backward()
+            mb_losses.append(loss.item())
+        losses.append(mb_losses)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def _engine(model, rank, world, schedule, **kw):
+    settings = PipelineSettings(stage=rank, pp_ranks=list(range(world)), group=None,
+                                device=torch.device("cpu"), schedule=schedule,
+                                microbatches=MB, active_microbatches=kw.get("active", world + 2),
+                                memory_weight=kw.get("memory_weight", 0.8),
+                                auto_partition=True, default_partition=0, rank=rank)
+    return PipelineEngine(_Holder(model), settings)
+
+
+def _train_worker(rank, world, port, schedule, steps, lr, out):
+    _init(rank, world, port)
+    torch.manual_seed(100 + rank)  # different init per rank: the engine broadcasts stage 0's
+    model = TinyLM()
+    engine = _engine(model, rank, world, schedule)
+
+    def body(ids, target):
+        logits = engine.forward(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        engine.backward([loss])
+        return loss.detach()
+
+    losses, grads = [], []
+    for ids, target in _batches(steps):
+        model.zero_grad(set_to_none=True)
+        mb_args = [((i, t), {}) for i, t in zip(ids.chunk(MB), target.chunk(MB))]
+        losses.append([float(x) for x in engine.run_step(body, mb_args)])
+        local = {n for n, m in model.named_modules() if m._smp_partition == rank}
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    owned = {n: p.detach().clone() for n, p in model.named_parameters()
+             if model.get_submodule(n.rsplit(".", 1)[0])._smp_partition == rank}
+    tied = {n for n, p in model.named_parameters() if getattr(p, "_smp_tied_duplicate", False)}
+    torch.save({"losses": losses, "grads": grads, "owned": owned, "tied": tied,
+                "blocks": engine.partition.block_stage, "local": local}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _spawn(fn, world, *args):
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(fn, args=(world, _free_port(), *args, out), nprocs=world, join=True)
+        return [torch.load(f"{out}/{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
+def test_losses_and_gradients_match_single_process(schedule, world):
+    steps, lr = 3, 0.5
+    ref_losses, ref_grads, ref_params = _reference(steps, lr)
+    results = _spawn(_train_worker, world, schedule, steps, lr)
+    assert results[0]["blocks"] == tuple(sorted(results[0]["blocks"]))
+    assert set(results[0]["blocks"]) == set(range(world))  # every stage holds a block
+    for r in results:  # outputs reach every stage, so every stage sees the same losses
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=1e-6)
+    for step in range(steps):
+        seen = set()
+        for r in results:
+            for name, grad in r["grads"][step].items():
+                torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6)
+                seen.add(name)
+        assert seen == set(ref_grads[step])  # every parameter got its gradient somewhere
+    for r in results:
+        for name, value in r["owned"].items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-5)
+    # the head's weight is the embedding's: duplicate on the last stage only
+    assert results[-1]["tied"] == {"wte.weight"} and results[0]["tied"] == set()
+
+
+def _mismatch_worker(rank, world, port, out):
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    model = TinyLM()
+    engine = _engine(model, rank, world, "interleaved")
+    rows = 2 if rank == 0 else 3  # stage 1 gets a different microbatch shape
+    ids = torch.zeros(rows * MB, SEQ, dtype=torch.long)
+    mb_args = [((i,), {}) for i in ids.chunk(MB)]
+    try:
+        engine.run_step(lambda i: engine.backward([engine.forward(i).sum()]), mb_args)
+        message = None
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        message = f"{type(exc).__name__}: {exc}"
+    torch.save({"message": message}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_input_shape_mismatch_is_an_error_on_every_stage_not_a_hang():
+    results = _spawn(_mismatch_worker, 2)
+    for r in results:
+        assert r["message"] is not None and r["message"].startswith("StepError")
+        assert "(2, 3)" in r["message"] and "(3, 3)" in r["message"]
+
+
+def _timing_worker(rank, world, port, schedule, delay, out):
+    _init(rank, world, port)
+    model = TinyLM(layers=2, delay=delay)  # one block per stage
+    engine = _engine(model, rank, world, schedule)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    mb_args = [((i,), {}) for i in ids.chunk(MB)]
+    step = lambda: engine.run_step(lambda i: engine.backward([engine.forward(i).sum()]), mb_args)
+    step()  # warm-up
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    torch.save({"seconds": time.perf_counter() - start}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
+def test_stages_overlap_in_time(schedule):
+    delay, world = 0.05, 2
+    seconds = max(r["seconds"] for r in _spawn(_timing_worker, world, schedule, delay))
+    per_mb = 2 * delay  # t_f + t_b per stage and microbatch
+    serial = MB * world * per_mb          # one microbatch at a time through both stages
+    pipelined = (MB + world - 1) * per_mb  # performance.md
+    assert seconds < 0.5 * (serial + pipelined), (seconds, serial, pipelined)
+
+
+def test_balance_is_optimal_on_a_hand_table():
+    assert balance([1, 1, 1, 1], 2) == [0, 0, 1, 1]
+    assert balance([1, 1, 1, 1], 2, first_extra=2) == [0, 1, 1, 1]
+    assert balance([3, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert balance([1, 2, 3, 4, 5], 3) == [0, 0, 0, 1, 2]  # loads 6, 4, 5: max 6 is optimal
+    with pytest.raises(ConfigError, match="must not exceed the number of blocks"):
+        balance([1, 1], 3)
+
+
+def test_auto_partition_weighs_memory_against_compute():
+    model = TinyLM(layers=4)
+    # all memory: the embedding table (88 params) weighs on stage 0, pushing blocks away
+    by_memory = auto_partition(model, 2, memory_weight=1.0)
+    by_compute = auto_partition(model, 2, memory_weight=0.0)
+    assert by_memory.pre == ("wte",) and by_memory.post == ("norm", "head")
+    assert by_compute.block_stage == (0, 0, 1, 1)
+    assert sum(s == 0 for s in by_memory.block_stage) <= 2
