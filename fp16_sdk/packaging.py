@@ -38,14 +38,16 @@ FIXED_MTIME = 315_619_200
 
 
 def build_sourcedir(*, entry_point: str | os.PathLike, source_dir: str | os.PathLike | None,
-                    dependencies: Sequence[str | os.PathLike] = (), dest_dir: Path) -> Path:
+                    dependencies: Sequence[str | os.PathLike] | None = (),
+                    dest_dir: Path) -> Path:
     """Write `dest_dir/sourcedir.tar.gz` with the job's code, reproducibly.
 
     Args:
         entry_point: the script to run; relative to `source_dir` when that is given (an
             absolute path must then lie inside it), else a path to the single file to ship.
         source_dir: folder whose contents go to the archive root, or None.
-        dependencies: extra files or folders, each placed at the root under its basename.
+        dependencies: extra files or folders, each placed at the root under its basename
+            (None: none).
         dest_dir: folder that receives the tarball (created if missing).
 
     Returns:
@@ -68,7 +70,7 @@ def build_sourcedir(*, entry_point: str | os.PathLike, source_dir: str | os.Path
         src = Path(source_dir).resolve()
         for child in sorted(src.iterdir(), key=lambda p: p.name):
             _add_root(members, roots, child.name, child, origin=f"source_dir {src}", skip=skip)
-    for dep in dependencies:
+    for dep in dependencies or ():
         dep_path = _check_dependency(dep)
         _add_root(members, roots, dep_path.name, dep_path, origin=f"dependency {dep_path}",
                   skip=skip)

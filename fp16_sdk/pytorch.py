@@ -28,13 +28,13 @@ from typing import Any
 from fp16_sdk.config import DistributionConfig
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator import Estimator, base_name_from_image
+from fp16_sdk.image import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
 __all__ = ["PyTorch", "LOCAL_IMAGE_CPU", "LOCAL_IMAGE_GPU"]
 
 logger = logging.getLogger(__name__)
 
-LOCAL_IMAGE_CPU = "fp16-sdk-training:latest-cpu"
-LOCAL_IMAGE_GPU = "fp16-sdk-training:latest-gpu"
+LOCAL_IMAGE_CPU, LOCAL_IMAGE_GPU = DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE  # built by fp16_sdk.image
 _PY_VERSION = re.compile(r"^py3\d*$")
 _FRAMEWORK_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _COMMON = tuple(p for p in inspect.signature(Estimator.__init__).parameters

@@ -83,7 +83,8 @@ CONFIGS = [(1, {}), (2, {}), (2, {"gradient_as_bucket_view": True}),
            (2, {"overlapping_allreduce": False, "bucket_cap_mb": 0.0003})]
 
 
-@pytest.mark.parametrize("world,configs", [(2, CONFIGS), (4, CONFIGS[1:2])])
+@pytest.mark.parametrize("world,configs", [
+    (2, CONFIGS), pytest.param(4, CONFIGS[1:2], marks=pytest.mark.slow)])
 def test_grads_equal_single_process_on_global_batch(world, configs):
     ref_grads, ref_state = reference_grads([0], world)
     results = run_ranks(_grads_case, world, configs)
@@ -205,6 +206,7 @@ def _primitives_case(rank, world, tmp):
     return got, peer, gathered, smp.load(path, partial=True), smp.load(path, partial=False)
 
 
+@pytest.mark.slow
 def test_object_primitives_and_save_load(tmp_path):
     results = run_ranks(_primitives_case, 4, str(tmp_path))
     assert [r[0] for r in results] == [None, {"from": 0}, {"from": 0}, {"from": 0}]
@@ -268,6 +270,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_seed_style_script_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(ckpt=tmp_path / "model.pt"))

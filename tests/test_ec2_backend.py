@@ -22,6 +22,7 @@ import socket
 import subprocess
 import tarfile
 import threading
+import uuid
 
 import pytest
 
@@ -190,18 +191,24 @@ def test_stop_terminates_and_a_vanished_instance_fails(infra, aws, tmp_path):
 
 # ---- end to end: the user data runs in containers standing in for the instances -----------
 
-def docker_client():
+@pytest.fixture
+def engine():
+    """The Docker client; stand-in containers left by a broken test are removed afterwards."""
     try:
         import docker
 
         client = docker.from_env()
         client.ping()
         client.images.get(IMAGE)
-        return client
     except Exception as err:  # engine down or image missing
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI needs the Docker engine and {IMAGE} (container/build_image.sh): {err}")
         pytest.skip(f"needs the Docker engine and {IMAGE}: {err}")
+    label = f"fp16-sdk-test-{uuid.uuid4().hex[:12]}"
+    client.fp16_label = label
+    yield client
+    for container in client.containers.list(all=True, filters={"label": label}):
+        container.remove(force=True)
 
 
 def free_port() -> int:
@@ -222,7 +229,7 @@ def run_stand_ins(client, session, aws, job_name: str, hosts: list[str], tmp_pat
         containers.append(client.containers.run(
             IMAGE, ["bash", "/fp16/userdata.sh"], detach=True, network_mode="host",
             volumes={str(path): {"bind": "/fp16/userdata.sh", "mode": "ro"}},
-            labels={"fp16-sdk-test": "ec2-stand-in"},
+            labels={client.fp16_label: "ec2-stand-in"},
             environment={"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                          "FP16_SDK_RUNNER": "run_train_direct", "FP16_SDK_SHUTDOWN": "true",
                          "LOG_INTERVAL": "1"}))
@@ -230,30 +237,34 @@ def run_stand_ins(client, session, aws, job_name: str, hosts: list[str], tmp_pat
 
 
 def finish(containers) -> list[str]:
+    """Each stand-in's console (the whole instance log); removes the containers (idempotent)."""
     outputs = []
-    for container in containers:
+    for container in list(containers):
         container.wait(timeout=300)
         outputs.append(container.logs().decode(errors="replace"))
         container.remove(force=True)
+        containers.remove(container)
     return outputs
 
 
 @pytest.mark.docker
-def test_two_host_job_runs_end_to_end_from_user_data(infra, aws, tmp_path):
-    client = docker_client()
+def test_two_host_job_runs_end_to_end_from_user_data(infra, aws, tmp_path, engine):
+    client = engine
     session = ec2_session(infra)
     out = io.StringIO()
     port = str(free_port())
     spec = make_spec(tmp_path, environment={"FP16_SDK_MASTER_PORT": port})
     job = EC2Backend(session, out=out).submit(spec)
     containers = run_stand_ins(client, session, aws, "ec2-job-1", ["algo-1", "algo-2"], tmp_path)
+    watchdog = threading.Timer(400, job.stop)  # a hung job ends as Stopped, not a hung test
+    watchdog.start()
     try:
-        waiter = threading.Thread(target=job.wait, kwargs={"logs": True})
-        waiter.start()
-        waiter.join(timeout=400)
-        assert not waiter.is_alive(), "job.wait() did not return"
+        job.wait(logs=True)
+    except TrainingJobFailedError as err:
+        pytest.fail(f"{err}\n--- stand-in consoles:\n" + "\n".join(finish(containers)))
     finally:
-        consoles = finish(containers)
+        watchdog.cancel()
+    consoles = finish(containers)
     assert job.status == JobStatus.COMPLETED, consoles
     model = session.read_bytes(job.model_data)
     with tarfile.open(fileobj=io.BytesIO(model)) as tar:
@@ -272,8 +283,8 @@ def test_two_host_job_runs_end_to_end_from_user_data(infra, aws, tmp_path):
 
 
 @pytest.mark.docker
-def test_failing_job_raises_with_host_exit_code_and_reason(infra, aws, tmp_path):
-    client = docker_client()
+def test_failing_job_raises_with_host_exit_code_and_reason(infra, aws, tmp_path, engine):
+    client = engine
     session = ec2_session(infra)
     spec = make_spec(tmp_path, instance_count=1, environment={"FAIL_ON_PURPOSE": "1",
                                                               "FP16_SDK_MASTER_PORT": str(free_port())})
@@ -283,7 +294,8 @@ def test_failing_job_raises_with_host_exit_code_and_reason(infra, aws, tmp_path)
         with pytest.raises(TrainingJobFailedError) as info:
             job.wait(logs=True)
     finally:
-        finish(containers)
+        consoles = finish(containers)
+    assert "failing on purpose" in info.value.reason, consoles
     assert info.value.host == "algo-1"
     assert info.value.exit_code == 1
     assert "ExitCode 1" in info.value.reason and "failing on purpose" in info.value.reason

@@ -99,7 +99,9 @@ import os, sys, time
 from pathlib import Path
 rank = os.environ.get("RANK", "0")
 host = os.environ["SM_CURRENT_HOST"]
-Path(os.environ["PID_DIR"], f"{host}-{rank}.pid").write_text(f"{os.getpid()} {os.getppid()}")
+_tmp = Path(os.environ["PID_DIR"], f"{host}-{rank}.tmp")
+_tmp.write_text(f"{os.getpid()} {os.getppid()}")
+_tmp.rename(_tmp.with_suffix(".pid"))  # atomic: a .pid file is always complete
 '''
 
 
@@ -286,9 +288,9 @@ def test_ctrl_c_leaves_no_process(job):
     finally:
         if driver.poll() is None:
             driver.kill()
-    assert "interrupted Stopped" in out
+    assert "interrupted Stopped" in out, out
     pids = _pids(job.pid_dir)
-    assert len(pids) == 4 and not [p for p in pids if _alive(p)]
+    assert len(pids) == 4 and not [p for p in pids if _alive(p)], (pids, out)
 
 
 def test_host_tree_config_files_and_sharding(tmp_path):

@@ -36,7 +36,8 @@ def _make_source(root: Path) -> Path:
 
 def test_same_input_gives_byte_identical_tarball(tmp_path):
     src = _make_source(tmp_path)
-    first = build_sourcedir(entry_point="train.py", source_dir=src, dest_dir=tmp_path / "a")
+    first = build_sourcedir(entry_point="train.py", source_dir=src, dependencies=None,
+                            dest_dir=tmp_path / "a")
     time.sleep(1.1)  # a wall-clock mtime would now differ
     for path in src.rglob("*"):
         os.utime(path, (time.time(), time.time()))

@@ -238,10 +238,14 @@ def test_balance_is_optimal_on_a_hand_table():
 
 
 def test_auto_partition_weighs_memory_against_compute():
+    # Costs by hand (TinyLM, 4 blocks of 72 parameters, 2 stages): pre = wte (88 params, no
+    # matmul compute), post = norm (16) + head (88, its weight tied to wte but a real matmul).
+    # compute only: 1 block on the last stage gives loads (216, 72+104): max 216, the best.
+    # memory only: wte's 88 join stage 0, so 2 + 2 gives (88+144, 144+104): max 248, the best.
     model = TinyLM(layers=4)
-    # all memory: the embedding table (88 params) weighs on stage 0, pushing blocks away
     by_memory = auto_partition(model, 2, memory_weight=1.0)
     by_compute = auto_partition(model, 2, memory_weight=0.0)
     assert by_memory.pre == ("wte",) and by_memory.post == ("norm", "head")
-    assert by_compute.block_stage == (0, 0, 1, 1)
-    assert sum(s == 0 for s in by_memory.block_stage) <= 2
+    assert by_compute.block_stage == (0, 0, 0, 1)
+    assert by_memory.block_stage == (0, 0, 1, 1)
+    assert "blocks.3 -> stage 1 (72 parameters)" in by_memory.describe(model)

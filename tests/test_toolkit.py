@@ -244,10 +244,12 @@ def _free_port() -> int:
 
 
 def make_job(tmp_path: Path, files: dict[str, str], hps: dict, *, program: str = "train.py",
-             channels: tuple[str, ...] = ("training",)) -> Path:
+             channels: tuple[str, ...] = ("training",), host: str = "algo-1",
+             hosts: tuple[str, ...] = ("algo-1",)) -> Path:
     """A fake /opt/ml with the code packed as sourcedir.tar.gz; returns the base dir."""
+    tmp_path = tmp_path / host
     src = tmp_path / "src"
-    src.mkdir()
+    src.mkdir(parents=True)
     for name, text in files.items():
         (src / name).write_text(textwrap.dedent(text))
         (src / name).chmod(0o755)
@@ -261,10 +263,10 @@ def make_job(tmp_path: Path, files: dict[str, str], hps: dict, *, program: str =
                "sagemaker_job_name": "test-job", **hps}
     (base / "input/config/hyperparameters.json").write_text(json.dumps(_encoded(all_hps)))
     (base / "input/config/resourceconfig.json").write_text(json.dumps(
-        {"current_host": "algo-1", "hosts": ["algo-1"], "network_interface_name": "lo",
+        {"current_host": host, "hosts": list(hosts), "network_interface_name": "lo",
          "current_instance_type": "local", "current_group_name": "homogeneousCluster",
          "instance_groups": [{"instance_group_name": "homogeneousCluster",
-                              "instance_type": "local", "hosts": ["algo-1"]}]}))
+                              "instance_type": "local", "hosts": list(hosts)}]}))
     (base / "input/config/inputdataconfig.json").write_text(json.dumps(
         {ch: {"TrainingInputMode": "File"} for ch in channels}))
     return base
@@ -357,6 +359,24 @@ def test_torchrun_two_processes_gloo_all_reduce_with_mpi_exports(tmp_path):
                        "local_rank": str(rank), "foo": "bar", "keep": "from-toolkit-env",
                        "proto": "simple", "master": "127.0.0.1"}
     assert (base / "output" / "success").exists()
+
+
+def test_two_hosts_on_one_machine_rendezvous_through_host_addresses(tmp_path):
+    hosts = ("algo-1", "algo-2")
+    hps = {"sagemaker_mpi_enabled": True, "sagemaker_mpi_num_of_processes_per_host": 1}
+    bases = [make_job(tmp_path, {"train.py": TORCHRUN_SCRIPT}, hps, host=h, hosts=hosts)
+             for h in hosts]
+    shared = {"FP16_SDK_MASTER_PORT": str(_free_port()),
+              "FP16_SDK_HOST_ADDRESSES": json.dumps({h: "127.0.0.1" for h in hosts})}
+    procs = [subprocess.Popen([sys.executable, "-m", "fp16_sdk.toolkit"],
+                              env={**toolkit_env(base), **shared}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for base in bases]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "--nnodes 2 --node_rank 1 --nproc_per_node 1" in outs[1]
+    for rank, base in enumerate(bases):  # node_rank = position in hosts, one process each
+        got = json.loads((base / "model" / f"rank{rank}.json").read_text())
+        assert (got["world"], got["sum"], got["local_rank"]) == (2, 3.0, "0")
 
 
 def test_exit_code_3_writes_failure_and_toolkit_exits_1(tmp_path):

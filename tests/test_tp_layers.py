@@ -312,3 +312,14 @@ def test_sizes_must_divide_by_tp():
         snn.DistributedTransformerOutputLayer(32, 64, activation="tanh")
     with pytest.raises(SMPConfigError, match="pre_layernorm and post_layernorm"):
         snn.DistributedTransformerLayer(4, 8, 32, 64, post_layernorm=False)
+
+
+def test_fp16_params_builds_half_parameters_with_fp32_like_values():
+    torch.manual_seed(4)
+    ref = snn.DistributedTransformerLayer(4, 8, 32, 64, tp_context=snn.TPContext())
+    torch.manual_seed(4)
+    half = snn.DistributedTransformerLayer(4, 8, 32, 64,
+                                           tp_context=snn.TPContext(param_dtype=torch.float16))
+    assert {p.dtype for p in half.parameters()} == {torch.float16}
+    for (name, a), b in zip(half.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b.half()), name

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fp16_sdk.modelparallel.torch.nn import DistributedTransformerOutputLayer, tp_register
 from test_tp_layers import _free_port, assert_close, full_grads
 
 LM = dict(num_layers=2, num_attention_heads=4, attention_head_size=8, hidden_size=32,
@@ -129,7 +130,7 @@ def test_lm_head_tp2_matches_unsplit(prescaled):
                             "prescaled_batch": prescaled, "microbatches": 2}, False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # world 4: > 20 s on a 2-core machine
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_lm_head_tp2_rdp2_matches_unsplit(prescaled):
     run_smp(_lm_worker, 4, {"tensor_parallel_degree": 2, "ddp": True,
@@ -141,6 +142,25 @@ def test_lm_head_tp2_fp16_matches_unsplit_within_tolerance():
 
 
 # ---- automatic distribution ------------------------------------------------------------------
+
+@tp_register(DistributedTransformerOutputLayer,
+             init_hook=lambda width: ((), dict(hidden_size=width, intermediate_size=2 * width,
+                                               hidden_dropout_prob=0.0)),
+             forward_hook=lambda x, scale=1.0: ((x * scale,), {}),
+             return_hook=lambda out: out * 1.0)
+class _UserMLP(torch.nn.Module):
+    """The user's own MLP, functionally smp's reference TransformerOutputLayer (same names)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.dense1 = torch.nn.Linear(width, 2 * width)
+        self.dense2 = torch.nn.Linear(2 * width, width)
+        self.layernorm = torch.nn.LayerNorm(width)
+
+    def forward(self, x, scale=1.0):
+        x = x * scale
+        return self.layernorm(x + self.dense2(torch.nn.functional.gelu(self.dense1(x))))
+
 
 class _Block(torch.nn.Module):
     def __init__(self, width, tied_with=None):
@@ -163,6 +183,7 @@ class _Model(torch.nn.Module):
         self.head = torch.nn.Linear(16, 16)
         with smp.tensor_parallelism():
             self.block = _Block(16, tied_with=self.head)
+            self.mlp = _UserMLP(16)
             with smp.tensor_parallelism(enabled=False):
                 self.plain = torch.nn.Linear(16, 16)  # innermost context: not distributed
         self.emb = torch.nn.Embedding(10, 16)
@@ -170,6 +191,7 @@ class _Model(torch.nn.Module):
     def forward(self, ids):
         x = self.emb(ids)
         h, o = self.block(self.head(x))
+        h = self.mlp(h, scale=0.5)
         return self.plain(h).sum(-1).mean() + o.sum(-1).mean()
 
 
@@ -186,7 +208,9 @@ def _auto_worker(smp):
     for name in ("odd", "tied"):
         assert type(getattr(inner.block, name)) is torch.nn.Linear, name
     assert type(inner.plain) is torch.nn.Linear and type(inner.emb) is torch.nn.Embedding
-    assert set(map(id, model.distributed_modules())) == {id(inner.block.up), id(inner.block.down)}
+    assert isinstance(inner.mlp, DistributedTransformerOutputLayer)  # tp_register'ed class
+    assert set(map(id, model.distributed_modules())) == {
+        id(inner.block.up), id(inner.block.down), id(inner.mlp)}
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @smp.step

@@ -36,27 +36,44 @@ exec 3>&1 >>"$LOG" 2>&1  # fd 3: the console, which gets the whole log at the en
 
 say() { echo "[fp16-sdk $(date -u +%H:%M:%S)] $*"; }
 
-# s3 get|put SRC DST: the AWS CLI when installed, else Python's boto3.
+# s3 get|put SRC DST, or s3 get-list FILE (lines "s3-uri<TAB>local path"): the AWS CLI when
+# installed, else Python's boto3 (one interpreter for a whole list).
 s3() {
     if command -v aws >/dev/null 2>&1; then
+        if [ "$1" = get-list ]; then
+            local uri dest
+            while IFS="$(printf '\t')" read -r uri dest; do
+                mkdir -p "$(dirname "$dest")" && aws s3 cp --only-show-errors "$uri" "$dest" \
+                    || return 1
+            done < "$2"
+            return 0
+        fi
         aws s3 cp --only-show-errors "$2" "$3"
         return
     fi
     python3 - "$@" <<'PY'
+import os
 import sys
 import boto3
 from botocore.exceptions import ClientError
-op, src, dst = sys.argv[1:4]
+op, args = sys.argv[1], sys.argv[2:]
+client = boto3.client("s3")
 def split(uri):
     bucket, _, key = uri[len("s3://"):].partition("/")
     return bucket, key
 try:
-    if op == "get":
-        boto3.client("s3").download_file(*split(src), dst)
+    if op == "get-list":
+        with open(args[0]) as listing:
+            for line in listing:
+                uri, dest = line.rstrip("\n").split("\t")
+                os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+                client.download_file(*split(uri), dest)
+    elif op == "get":
+        client.download_file(*split(args[0]), args[1])
     else:
-        boto3.client("s3").upload_file(src, *split(dst))
+        client.upload_file(args[0], *split(args[1]))
 except ClientError as err:
-    sys.exit(f"s3 {op} {src} {dst}: {err.response['Error'].get('Code')}")
+    sys.exit(f"s3 {op} {' '.join(args)}: {err.response['Error'].get('Code')}")
 PY
 }
 
@@ -98,19 +115,22 @@ layout_opt_ml() {
     mkdir -p "$ML_ROOT"/code "$ML_ROOT"/model "$ML_ROOT"/input/config "$ML_ROOT"/input/data \
         "$ML_ROOT"/output/data "$ML_ROOT"/output/intermediate "$ML_ROOT"/checkpoints || return 1
     local cfg="$JOB_URI/ec2/config/$CURRENT_HOST"
-    for name in hyperparameters.json resourceconfig.json inputdataconfig.json; do
-        s3 get "$cfg/$name" "$ML_ROOT/input/config/$name" || return 1
-    done
-    s3 get "$cfg/env.sh" "$WORK/env.sh" || return 1
     s3 get "$cfg/manifest.tsv" "$WORK/manifest.tsv" || return 1
-    STAGE="downloading input channels"
-    local count=0 channel uri rel
-    while IFS="$(printf '\t')" read -r channel uri rel; do
-        [ -n "$channel" ] || continue
-        mkdir -p "$(dirname "$ML_ROOT/input/data/$channel/$rel")"
-        s3 get "$uri" "$ML_ROOT/input/data/$channel/$rel" || return 1
-        count=$((count + 1))
-    done < "$WORK/manifest.tsv"
+    STAGE="downloading the config files and input channels"
+    local tab name channel uri rel count=0
+    tab="$(printf '\t')"
+    {
+        for name in hyperparameters.json resourceconfig.json inputdataconfig.json; do
+            echo "$cfg/$name$tab$ML_ROOT/input/config/$name"
+        done
+        echo "$cfg/env.sh$tab$WORK/env.sh"
+        while IFS="$tab" read -r channel uri rel; do
+            [ -n "$channel" ] || continue
+            echo "$uri$tab$ML_ROOT/input/data/$channel/$rel"
+            count=$((count + 1))
+        done < "$WORK/manifest.tsv"
+    } > "$WORK/downloads.tsv"
+    s3 get-list "$WORK/downloads.tsv" || return 1
     say "downloaded $count input objects"
     local iface
     iface="$(ip -o -4 route show to default 2>/dev/null | awk '{ print $5; exit }')"

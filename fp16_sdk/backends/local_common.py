@@ -10,7 +10,7 @@ output/output.tar.gz           /opt/ml/output/data of every host, merged
 ```
 Public API (small on purpose, shared by local_process and local Docker):
 `job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `read_failure`,
-`collect_artifacts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`.
+`collect_artifacts`, `remove_hosts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`.
 """
 
 from __future__ import annotations

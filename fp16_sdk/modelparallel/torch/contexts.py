@@ -108,14 +108,16 @@ def partition(index: int):
     """Modules created inside go to pipeline stage `index` (ignored when auto_partition).
 
     Raises:
-        SMPConfigError: index outside 0..pp-1 (when smp.init() has run).
+        SMPConfigError: a negative index, or one >= pp with auto_partition False.
     """
     _check_partition(index)
     return _push({"partition": index})
 
 
 def _check_partition(index) -> None:
-    pp = state.topology.pp if state.topology is not None else None
+    # The upper bound matters only for manual partitioning (auto_partition ignores indices).
+    manual = state.cfg is not None and not state.cfg.auto_partition
+    pp = state.topology.pp if manual and state.topology is not None else None
     if not isinstance(index, int) or index < 0 or (pp is not None and index >= pp):
         raise SMPConfigError(f"partition index ({index!r}) must be an integer in 0.."
                              f"{(pp or 1) - 1} (pipeline_parallel_degree {pp})",

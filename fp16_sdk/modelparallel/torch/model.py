@@ -105,7 +105,10 @@ class DistributedModel(nn.Module):
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.bucket_cap_mb, self.broadcast_buffers = bucket_cap_mb, broadcast_buffers
-        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # fp16/bf16: the optimizer owns the gradient storage (p.grad views into its flat
+        # buffers), so the reducer copies in and out instead of re-pointing p.grad.
+        self.gradient_as_bucket_view = gradient_as_bucket_view and not (
+            state.cfg.fp16 or state.cfg.bf16)
         self.partitioned = False
         self._pipeline = None
         self._reducer: GradReducer | None = None
@@ -114,6 +117,8 @@ class DistributedModel(nn.Module):
         self._hooks_ran = False
         self._pending_load = None
         self._backward_steps = 0          # steps that ran a backward
+        if self._reducer is not None and self._reducer.armed:
+            self._reducer.reset()  # the previous step raised mid-backward
         self._backwards_in_step = 0
         self._sync_this_step = False
         state.model = self
@@ -179,6 +184,8 @@ class DistributedModel(nn.Module):
                 self._load(sd, strict=strict, same_partition_load=same)
         elif self.broadcast_buffers:
             self._broadcast_state(params=False)
+        if self._reducer is not None and self._reducer.armed:
+            self._reducer.reset()  # the previous step raised mid-backward
         self._backwards_in_step = 0
         self._sync_this_step = (self._backward_steps + 1) % self.backward_passes_per_step == 0
 

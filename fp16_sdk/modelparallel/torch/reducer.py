@@ -190,6 +190,15 @@ class GradReducer:
         self._next = 0
         self._armed = False
 
+    def reset(self) -> None:
+        """Abandon a reduction left half-done by a step that raised (waits for launched work)."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.ready.clear()
+            bucket.work, bucket.launched = None, False
+        self._next, self._armed = 0, False
+
     def expected_all_reduces(self) -> int:
         """Collectives one synchronising step issues (buckets of groups with > 1 rank)."""
         return sum(1 for b in self.buckets if b.group.size > 1)
