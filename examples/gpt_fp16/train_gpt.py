@@ -31,6 +31,10 @@ def parse_args():
     p.add_argument("--log_every", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--checkpoint_every", type=int, default=0)
+    # Dynamic loss scaling (smp's defaults: 2**32 and 1000); a short demo starts lower so its
+    # first steps are not all skipped while the scale falls from 2**32.
+    p.add_argument("--init_scale", type=float, default=2.0**32)
+    p.add_argument("--scale_window", type=int, default=1000)
     p.add_argument("--mp_parameters", type=str, default="")  # SageMaker passes it; smp reads env
     return p.parse_args()
 
@@ -45,6 +49,17 @@ def load_tokens(seq_len):
     starts = torch.randint(0, 256, (512, 1), generator=g)
     steps = torch.randint(1, 4, (512, 1), generator=g)
     return (starts + steps * torch.arange(seq_len + 1)) % 256
+
+
+def checkpoint_dir():
+    """The checkpoint folder SageMaker syncs: $SAGEMAKER_BASE_DIR/checkpoints (local_process),
+    else /opt/ml/checkpoints (containers); SM_CHECKPOINT_DIR overrides; None if none exists."""
+    if os.environ.get("SM_CHECKPOINT_DIR"):
+        return os.environ["SM_CHECKPOINT_DIR"]
+    for base in (os.environ.get("SAGEMAKER_BASE_DIR"), "/opt/ml"):
+        if base and os.path.isdir(os.path.join(base, "checkpoints")):
+            return os.path.join(base, "checkpoints")
+    return None
 
 
 @smp.step
@@ -79,13 +94,13 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     optimizer = smp.DistributedOptimizer(
         optimizer, static_loss_scale=None, dynamic_loss_scale=True,
-        dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
+        dynamic_loss_args={"init_scale": args.init_scale, "scale_window": args.scale_window,
+                           "min_scale": 1, "delayed_shift": 2})
     scheduler = torch.optim.lr_scheduler.StepLR(
         optimizer.optimizer if fp16 else optimizer, step_size=max(1, args.steps // 2), gamma=0.5)
 
     start_step, history = 0, {"step": [], "loss": [], "loss_scale": [], "skipped": []}
-    ckpt_dir = "/opt/ml/checkpoints" if os.path.isdir("/opt/ml/checkpoints") else None
-    ckpt_dir = os.environ.get("SM_CHECKPOINT_DIR", ckpt_dir)
+    ckpt_dir = checkpoint_dir()
     if ckpt_dir and os.path.exists(os.path.join(ckpt_dir, "newest")):
         user = smp.resume_from_checkpoint(ckpt_dir, partial=True)
         start_step, history = user["step"], user["history"]
