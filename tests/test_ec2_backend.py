@@ -86,7 +86,8 @@ def make_spec(tmp_path, **overrides) -> JobSpec:
     src.mkdir(exist_ok=True)
     (src / "train.py").write_text(TRAIN_PY)
     fields = dict(job_name="ec2-job-1", instance_type="ml.c5.xlarge", instance_count=2,
-                  hyperparameters={"sagemaker_program": '"train.py"', "epochs": "1"},
+                  hyperparameters={"sagemaker_program": '"train.py"', "epochs": "1",
+                                   "sagemaker_torch_distributed_enabled": "true"},
                   sourcedir=build_sourcedir(entry_point="train.py", source_dir=src,
                                             dest_dir=tmp_path / "pkg"),
                   entry_point="train.py", output_path="s3://out-bucket/jobs", image_uri=IMAGE,
