@@ -7,8 +7,12 @@ line is its own elapsed time. Figures (medians over the runs):
 - fit_wall_s: the whole fit() call, artifacts included;
 - overhead_s: fit_wall_s minus the script's own run time (what the SDK adds);
 - direct_run_s (reference): `python script.py` started by hand, interpreter start included.
+Mode local_docker adds, measured in the same run:
+- bare_docker_run_s: `docker run --rm <image> python3 -c pass` (the engine's own floor);
+- overhead_vs_bare_docker_s: fit_wall_s minus bare_docker_run_s, compared in the JSON with the
+  real SageMaker SDK's local mode measured on the reference machine (REAL_SDK_LOCAL_MODE).
 
-Usage: python benchmarks/fit_overhead.py [--mode local_process] [--runs 5]
+Usage: python benchmarks/fit_overhead.py [--mode local_process|local_docker] [--runs 5]
 Prints a table and merges the figures into benchmarks/results/fit_overhead.json
 (one entry per mode; other modes' entries are kept).
 """
@@ -86,7 +90,51 @@ def run_local_process(runs: int, instance_count: int) -> dict:
     return {"instance_count": instance_count, "figures": figures}
 
 
-MODES = {"local_process": run_local_process}
+# The real SageMaker SDK v2 local mode, trivial job, as measured for issue 4 (seconds).
+REAL_SDK_LOCAL_MODE = {"fit_wall_s": (1.73, 1.84), "time_to_first_line_s": (1.46, 1.52),
+                       "bare_docker_run_s": 0.30}
+
+
+def _bare_docker_run(image: str) -> float:
+    start = time.perf_counter()
+    subprocess.run(["docker", "run", "--rm", image, "python3", "-c", "pass"], check=True,
+                   stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def run_local_docker(runs: int, instance_count: int) -> dict:
+    """local (Docker): one container per host, against a bare `docker run` in the same run."""
+    from fp16_sdk.image import DEFAULT_CPU_IMAGE, require_image
+
+    require_image(DEFAULT_CPU_IMAGE, gpu=False)
+    kwargs = dict(framework_version="2.13", py_version="py311", instance_type="local",
+                  instance_count=instance_count)
+    with tempfile.TemporaryDirectory(prefix="fit-overhead-docker-") as tmp:
+        work = Path(tmp)
+        (work / "src").mkdir()
+        (work / "src" / "noop.py").write_text(SCRIPT)
+        _bare_docker_run(DEFAULT_CPU_IMAGE)  # warm the engine; not counted
+        _fit_once(kwargs, work)
+        samples, bare = [], []
+        for _ in range(runs):  # interleaved, so both see the same machine load
+            bare.append(_bare_docker_run(DEFAULT_CPU_IMAGE))
+            samples.append(_fit_once(kwargs, work))
+    figures = {key: _summary([s[key] for s in samples]) for key in samples[0]}
+    figures["bare_docker_run_s"] = _summary(bare)
+    figures["overhead_vs_bare_docker_s"] = _summary(
+        [s["fit_wall_s"] - b for s, b in zip(samples, bare)])
+    real = REAL_SDK_LOCAL_MODE
+    real_overhead = statistics.mean(real["fit_wall_s"]) - real["bare_docker_run_s"]
+    return {"instance_count": instance_count, "figures": figures,
+            "real_sdk_reference": {**real, "overhead_vs_bare_docker_s": real_overhead},
+            "ratio_to_real_sdk": {
+                "fit_wall": figures["fit_wall_s"]["median"] / statistics.mean(real["fit_wall_s"]),
+                "overhead_vs_bare_docker":
+                    figures["overhead_vs_bare_docker_s"]["median"] / real_overhead,
+                "target": 0.5}}
+
+
+MODES = {"local_process": run_local_process, "local_docker": run_local_docker}
 
 
 def _summary(values: list[float]) -> dict:
@@ -119,9 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     result = MODES[args.mode](args.runs, args.instance_count)
     print(f"fit() overhead, mode={args.mode}, hosts={args.instance_count}, "
           f"median of {args.runs} runs")
-    print(f"{'figure':<24}{'median s':>10}{'min s':>10}{'max s':>10}")
+    print(f"{'figure':<28}{'median s':>10}{'min s':>10}{'max s':>10}")
     for key, fig in result["figures"].items():
-        print(f"{key:<24}{fig['median']:>10.3f}{fig['min']:>10.3f}{fig['max']:>10.3f}")
+        print(f"{key:<28}{fig['median']:>10.3f}{fig['min']:>10.3f}{fig['max']:>10.3f}")
+    for key, ratio in result.get("ratio_to_real_sdk", {}).items():
+        print(f"ratio to the real SDK's local mode, {key}: {ratio:.2f}")
 
     report = json.loads(args.json.read_text()) if args.json.exists() else {}
     report.setdefault("modes", {})[args.mode] = {

@@ -62,7 +62,10 @@ echo "base image $base (Python $py_version)"
 # Fresh each time: a stale second version of a wheel would break the install.
 rm -rf "$wheelhouse"
 mkdir -p "$wheelhouse/deps"
-"$python" -m pip wheel --quiet --no-deps --no-build-isolation -w "$wheelhouse" "$repo"
+# A fixed timestamp makes the wheel byte-identical while the source is: the build cache then
+# reuses every layer.
+SOURCE_DATE_EPOCH=315532800 "$python" -m pip wheel --quiet --no-deps --no-build-isolation \
+    -w "$wheelhouse" "$repo"
 sdk_wheel="$(ls "$wheelhouse"/fp16_sdk-*.whl)"
 # fp16_sdk's own requirements, read from the wheel; torch is handled per variant below.
 mapfile -t requirements < <("$python" - "$sdk_wheel" <<'PY'
@@ -93,4 +96,6 @@ docker build -f "$repo/container/Dockerfile" \
     --build-arg FP16_SDK_VERSION="$(basename "$sdk_wheel" | cut -d- -f2)" \
     --label fp16_sdk.image.base="$base" \
     -t "$tag" "$wheelhouse"
+# Earlier builds of this image, now untagged, only take disk space.
+docker image prune -f --filter "label=fp16_sdk.image.variant=$variant" >/dev/null
 echo "built $tag from $base in $((SECONDS - start)) s"

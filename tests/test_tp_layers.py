@@ -7,7 +7,6 @@ reference is the same module built at tp = 1 in every process from the same seed
 from __future__ import annotations
 
 import math
-import os
 import socket
 
 import pytest

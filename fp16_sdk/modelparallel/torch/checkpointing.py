@@ -1,0 +1,390 @@
+"""`smp.save_checkpoint` / `smp.resume_from_checkpoint` (spec §9): crash-safe training state.
+
+Layout under `path` (file names as smp v1's; rankinfo is `{pp_rank}_{tp_rank}`):
+
+    newest                       one line per partial checkpoint, "<tag>_partial", newest last
+    <tag>_partial/
+        .plan.json               written first (rank 0): every file this save will write
+        model_<pp>_<tp>.pt       model.local_state_dict()            (rdp_rank 0 of each pp,tp)
+        optimizer_<pp>_<tp>.pt   inner optimizer state, step counters (rdp_rank 0; with
+                                 shard_optimizer_state every rank: optimizer_<pp>_<tp>_<rdp>.pt)
+        fp16_states_<pp>_<tp>.pt fp32 masters + loss scaler           (fp16/bf16 only, same owner)
+        rng_states_<pp>_<tp>_<rdp>.pt  this rank's torch/CUDA/python/numpy RNG and step count
+        user_content.pt, smp_config.pt (rank 0)
+        .complete.json           written last (rank 0): every file with its size and sha256
+    <tag>, user_content_<tag>    a full checkpoint (partial=False): the unsplit model state dict
+
+Crash safety: each file is written to a temporary name in its folder, fsync'ed and renamed
+(rename is atomic on POSIX), so a file either exists whole or not at all. The save is
+committed by `.complete.json` and only then does `newest` move (also by rename). A save
+killed half way leaves a folder without `.complete.json`: `resume_from_checkpoint` refuses it
+with `IncompleteCheckpointError`, naming the files `.plan.json` expected that are missing,
+while `newest` still names the previous checkpoint, which loads as before.
+
+Test hook: `FP16_SDK_CKPT_TEST_PAUSE_AFTER=<glob>` makes a rank sleep after it renamed a file
+whose name matches, so a test can SIGKILL it between files.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError
+from .state import state
+
+__all__ = ["save_checkpoint", "resume_from_checkpoint", "IncompleteCheckpointError",
+           "NEWEST", "PLAN", "MANIFEST"]
+
+log = logging.getLogger("smp.checkpoint")
+
+NEWEST, PLAN, MANIFEST = "newest", ".plan.json", ".complete.json"
+_PAUSE_ENV = "FP16_SDK_CKPT_TEST_PAUSE_AFTER"
+_FP16_KEYS = ("fp32_from_fp16_params", "loss_scaler", "dynamic_loss_scale", "overflow")
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint whose save did not finish, or whose files do not match its manifest."""
+
+
+# ---- files: atomic writes and hashes ----------------------------------------------------------
+class _HashingWriter(io.RawIOBase):
+    """Passes bytes to a file while hashing and counting them (torch.save writes through it)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self._f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(target: str, write) -> dict:
+    """Write through `write(fileobj)` into a temporary file next to `target`, fsync, rename.
+
+    Returns:
+        {"size": bytes, "sha256": hex digest} of what was written.
+    """
+    folder, name = os.path.split(target)
+    tmp = os.path.join(folder, f".{name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            write(writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(folder)
+    _maybe_pause(name)
+    return {"size": writer.size, "sha256": writer.sha.hexdigest()}
+
+
+def _save_torch(obj, target: str) -> dict:
+    return _atomic_write(target, lambda f: torch.save(obj, f))
+
+
+def _save_json(obj, target: str) -> dict:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    return _atomic_write(target, lambda f: f.write(data))
+
+
+def _maybe_pause(name: str) -> None:
+    pattern = os.environ.get(_PAUSE_ENV)
+    if pattern and fnmatch.fnmatch(name, pattern):
+        print(f"[smp checkpoint test hook] wrote {name}; pausing for the test to kill me",
+              file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
+def _sha256(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _load(path: str):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---- who writes what --------------------------------------------------------------------------
+def _coords(rank: int | None = None) -> tuple[int, int, int]:
+    topo, r = state.topology, state.rank if rank is None else rank
+    return topo.pp_rank(r), topo.tp_rank(r), topo.rdp_rank(r)
+
+
+def _sharded() -> bool:
+    return bool(getattr(state.cfg, "shard_optimizer_state", False))
+
+
+def _rank_files(rank: int, *, model: bool, optimizer, fp16: bool) -> list[str]:
+    """The partial-checkpoint files global rank `rank` writes (and, with one layout, reads)."""
+    pp, tp, rdp = _coords(rank)
+    files = [f"rng_states_{pp}_{tp}_{rdp}.pt"]
+    if model and rdp == 0:
+        files.append(f"model_{pp}_{tp}.pt")
+    if optimizer and (rdp == 0 or _sharded()):
+        info = f"{pp}_{tp}_{rdp}" if _sharded() else f"{pp}_{tp}"
+        files.append(f"optimizer_{info}.pt")
+        if fp16:
+            files.append(f"fp16_states_{info}.pt")
+    if rank == 0:
+        files.append("smp_config.pt")
+    return files
+
+
+def _optimizer_is_half(optimizer) -> bool:
+    return optimizer is not None and bool(getattr(optimizer, "mixed_precision", False))
+
+
+def _rng_state() -> dict:
+    out = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "step_count": state.step_count}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")  # only when the script uses it (never imported here)
+    if numpy is not None:
+        out["numpy"] = numpy.random.get_state()
+    return out
+
+
+def _set_rng_state(saved: dict) -> None:
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["python"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in saved and numpy is not None:
+        numpy.random.set_state(saved["numpy"])
+    state.step_count = int(saved["step_count"])
+
+
+def _split_optimizer_state(optimizer) -> tuple[dict, dict]:
+    """(optimizer file, fp16_states file) contents from the optimizer's local_state_dict()."""
+    sd = dict(optimizer.local_state_dict())
+    fp16 = {k: sd.pop(k) for k in _FP16_KEYS if k in sd}
+    return sd, fp16
+
+
+def _config_record() -> dict:
+    topo = state.topology
+    cfg = state.cfg.model_dump() if hasattr(state.cfg, "model_dump") else dict(vars(state.cfg))
+    return {"pp": topo.pp, "tp": topo.tp, "rdp": topo.rdp, "world_size": topo.world_size,
+            "placement": topo.placement, "config": cfg}
+
+
+# ---- collectives ---------------------------------------------------------------------------
+def _world() -> bool:
+    return dist.is_available() and dist.is_initialized() and state.topology.world_size > 1
+
+
+def _allgather(obj) -> list:
+    if not _world():
+        return [obj]
+    out: list = [None] * state.topology.world_size
+    dist.all_gather_object(out, obj, group=state.groups.world)
+    return out
+
+
+def _barrier() -> None:
+    if _world():
+        dist.barrier(group=state.groups.world)
+
+
+def _agree(problem: str | None, error=CheckpointError) -> None:
+    """Raise the same error on every rank when any rank found a problem (no rank hangs)."""
+    problems = [(r, p) for r, p in enumerate(_allgather(problem)) if p]
+    if problems:
+        rank, first = problems[0]
+        more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
+        raise error(f"rank {rank}{more}: {first}")
+
+
+def _check_objects(path, tag, model, optimizer) -> None:
+    from .model import DistributedModel
+    from .optimizer import DistributedOptimizer
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint path must be a folder name (str), got "
+                              f"{type(path).__name__}; pass e.g. '/opt/ml/checkpoints'")
+    if not isinstance(tag, str) or not tag or os.sep in tag or tag.startswith("."):
+        raise CheckpointError(f"checkpoint tag ({tag!r}) must be a non-empty str without "
+                              f"'{os.sep}' that does not start with '.', e.g. 'step100'")
+    if model is not None and not isinstance(model, DistributedModel):
+        raise CheckpointError(f"save_checkpoint(model=...) takes the smp.DistributedModel, got "
+                              f"{type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        raise CheckpointError(f"save_checkpoint(optimizer=...) takes the smp.DistributedOptimizer,"
+                              f" got {type(optimizer).__name__}")
+    tags = _allgather(tag)
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"checkpoint tag must be the same on every rank, got {tags}")
+
+
+# ---- save ---------------------------------------------------------------------------------
+def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_content=None,
+                    translate_if_full=True, num_kept_partial_checkpoints=None) -> None:
+    """Save a checkpoint (collective: every rank calls it with the same tag).
+
+    Args:
+        path: the checkpoint folder (created if absent), e.g. /opt/ml/checkpoints.
+        tag: the checkpoint's name, usually the step ("step100"); the same on every rank.
+        partial: per-partition files in `<tag>_partial/` (resumable exactly) or, when False,
+            one full unsplit model state dict `<path>/<tag>` (optimizer not saved).
+        model: the smp.DistributedModel.
+        optimizer: the smp.DistributedOptimizer (partial only).
+        user_content: any picklable object, returned by resume_from_checkpoint.
+        translate_if_full: full checkpoints: True writes the plain module's state dict (it
+            loads into the unwrapped PyTorch model); False adds `_smp_is_partial: False`.
+        num_kept_partial_checkpoints: keep only this many newest partial checkpoints.
+
+    Raises:
+        CheckpointError: bad arguments, or tags that differ between ranks.
+    """
+    state.require_init("smp.save_checkpoint")
+    _check_objects(path, tag, model, optimizer)
+    path = os.fspath(path)
+    if model is None and optimizer is None:
+        log.warning("smp.save_checkpoint: model and optimizer are both None; nothing saved")
+        return
+    if num_kept_partial_checkpoints is not None and (
+            not isinstance(num_kept_partial_checkpoints, int) or num_kept_partial_checkpoints < 1):
+        raise CheckpointError(f"num_kept_partial_checkpoints ({num_kept_partial_checkpoints!r}) "
+                              f"must be an integer >= 1, or None to keep every checkpoint")
+    if partial:
+        _save_partial(path, tag, model, optimizer, user_content, num_kept_partial_checkpoints)
+    else:
+        if optimizer is not None and state.rank == 0:
+            log.warning("smp.save_checkpoint(partial=False) saves the model only, not the "
+                        "optimizer (as smp does); save partial checkpoints to resume training")
+        _save_full(path, tag, model, user_content, translate_if_full)
+
+
+def _save_partial(path, tag, model, optimizer, user_content, keep) -> None:
+    folder = os.path.join(path, f"{tag}_partial")
+    fp16 = _optimizer_is_half(optimizer)
+    kinds = dict(model=model is not None, optimizer=optimizer is not None, fp16=fp16)
+    if state.rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        for stale in (MANIFEST, PLAN):  # re-saving a tag: uncommit it before touching files
+            if os.path.exists(os.path.join(folder, stale)):
+                os.unlink(os.path.join(folder, stale))
+        _fsync_dir(folder)
+        expected = [f for r in range(state.topology.world_size) for f in _rank_files(r, **kinds)]
+        if user_content is not None:
+            expected.append("user_content.pt")
+        _save_json({"tag": tag, "files": sorted(set(expected)), **_config_record()},
+                   os.path.join(folder, PLAN))
+    _barrier()
+    written, problem = {}, None
+    try:
+        written = _write_rank_files(folder, model, optimizer, fp16, user_content)
+    except OSError as exc:
+        problem = f"writing {folder} failed: {exc}"
+    _agree(problem)
+    records = {}
+    for part in _allgather(written):
+        records.update(part)
+    if state.rank == 0:
+        plan = _read_json(os.path.join(folder, PLAN))
+        missing = sorted(set(plan["files"]) - set(records))
+        assert not missing, f"ranks did not write {missing}"  # _rank_files is the one source
+        _save_json({"tag": tag, "files": records, **_config_record()},
+                   os.path.join(folder, MANIFEST))
+        _update_newest(path, f"{tag}_partial", keep)
+    _barrier()
+
+
+def _write_rank_files(folder, model, optimizer, fp16, user_content) -> dict:
+    pp, tp, rdp = _coords()
+    out = {}
+
+    def put(name, obj):
+        out[name] = _save_torch(obj, os.path.join(folder, name))
+
+    names = _rank_files(state.rank, model=model is not None, optimizer=optimizer is not None,
+                        fp16=fp16)
+    for name in names:
+        if name.startswith("model_"):
+            put(name, model.local_state_dict())
+        elif name.startswith("optimizer_"):
+            opt_sd, fp16_sd = _split_optimizer_state(optimizer)
+            put(name, opt_sd)
+            if fp16:
+                put(name.replace("optimizer_", "fp16_states_", 1), fp16_sd)
+        elif name == "smp_config.pt":
+            put(name, _config_record())
+    if state.rank == 0 and user_content is not None:
+        put("user_content.pt", user_content)
+    put(f"rng_states_{pp}_{tp}_{rdp}.pt", _rng_state())  # last: the state after everything
+    return out
+
+
+def _read_newest(path: str) -> list[str]:
+    try:
+        with open(os.path.join(path, NEWEST)) as f:
+            return [line.strip() for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _update_newest(path: str, entry: str, keep: int | None) -> None:
+    """Append `entry` to `newest` (atomically), then delete checkpoints beyond `keep`."""
+    entries = [e for e in _read_newest(path) if e != entry] + [entry]
+    pruned = entries[:-keep] if keep else []
+    entries = entries[len(pruned):]
+    _atomic_write(os.path.join(path, NEWEST), lambda f: f.write(
+        "".join(f"{e}\n" for e in entries).encode()))
+    for old in pruned:  # after newest moved: a crash here leaves only unlisted folders
+        shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+
+
+def _save_full(path, tag, model, user_content, translate) -> None:
+    if model is None:
+        raise CheckpointError("save_checkpoint(partial=False) saves the full model: pass "
+                              "model=<the smp.DistributedModel>")
+    full = model.state_dict()  # collective over the mp group: every rank takes part
+    if not translate:
+        full["_smp_is_partial"] = False
+    if state.rank == 0:
+        os.makedirs(path, exist_ok=True)
+        if user_content is not None:  # first: the model file's rename commits the checkpoint
+            _save_torch(user_content, os.path.join(path, f"user_content_{tag}"))
+        _save_torch(full, os.path.join(path, tag))
+    _barrier()
