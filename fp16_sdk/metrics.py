@@ -10,7 +10,8 @@ Rules (SageMaker's, where it has one):
 - Each regex is applied to the message of each line, with the `algo-N | ` host prefix the
   backends add removed first, so `^`-anchored regexes work as on SageMaker.
 - Every match is one record; its value is capture group 1 (the whole match if the regex has no
-  group). A capture that is not a number is skipped, as SageMaker skips it.
+  group). A capture that is not a finite number is skipped (CloudWatch stores neither NaN nor
+  infinity).
 - `timestamp` is seconds since the first log line when the handle can tell when each line
   arrived (`log_records()`: (epoch seconds, line) pairs); otherwise None.
 
@@ -174,7 +175,7 @@ def parse_metrics(lines: Iterable[str | tuple[float | None, str]],
         for name, pattern in patterns:
             for match in pattern.finditer(message):
                 value = _number(match)
-                if value is not None and not math.isnan(value):
+                if value is not None and math.isfinite(value):
                     records.append(MetricRecord(stamp, name, value, host))
     return MetricsTable(records)
 

@@ -226,9 +226,18 @@ def safe_extract(tar_path: str | os.PathLike, target: Path) -> None:
             if not _inside(dest, root):
                 _refuse(tar_path, member, f"resolves through a link to {dest}, outside {root}")
             try:
-                tar.extract(member, root, filter="data")
-            except tarfile.FilterError as exc:
+                if _DATA_FILTER is not None:
+                    tar.extract(member, root, filter=_DATA_FILTER)
+                else:  # Python < 3.11.4 / 3.10.12: our own checks above are the filter
+                    member.mode &= 0o777
+                    tar.extract(member, root, set_attrs=not member.issym())
+            except _FILTER_ERRORS as exc:
                 _refuse(tar_path, member, f"is refused by the data filter ({exc})")
+
+
+# tarfile's extraction filters arrived in 3.11.4 / 3.10.12 (bookworm ships 3.11.2).
+_DATA_FILTER = getattr(tarfile, "data_filter", None)
+_FILTER_ERRORS = (getattr(tarfile, "FilterError"),) if hasattr(tarfile, "FilterError") else ()
 
 
 def _inside(path: str, root: str) -> bool:

@@ -303,3 +303,27 @@ def test_failing_job_raises_with_host_exit_code_and_reason(infra, aws, tmp_path,
     ec2 = aws.client("ec2")
     assert instance(ec2, "ec2-job-1", "algo-1")["State"]["Name"] == "terminated"
     assert job.model_data is None
+
+
+def test_pytorch_estimator_with_ec2_session_launches_instances(infra, aws, tmp_path):
+    """The user path: PyTorch(sagemaker_session=EC2Session(...)).fit() -> EC2Backend."""
+    from fp16_sdk.backends.ec2_job import EC2Job
+    from fp16_sdk.pytorch import PyTorch
+
+    session = ec2_session(infra)
+    (tmp_path / "train.py").write_text(TRAIN_PY)
+    estimator = PyTorch(entry_point="train.py", source_dir=str(tmp_path), image_uri=IMAGE,
+                        instance_type="ml.g5.xlarge", instance_count=2,
+                        output_path="s3://out-bucket/jobs", sagemaker_session=session)
+    estimator.fit({"train": "s3://data-bucket/train"}, wait=False, job_name="est-ec2-1")
+    assert isinstance(estimator.latest_training_job, EC2Job)
+    assert instance(aws.client("ec2"), "est-ec2-1", "algo-2")["InstanceType"] == "g5.xlarge"
+    hps = json.loads(session.read_bytes(
+        "s3://out-bucket/est-ec2-1/ec2/config/algo-2/hyperparameters.json"))
+    assert json.loads(hps["sagemaker_submit_directory"]) == \
+        "s3://out-bucket/est-ec2-1/source/sourcedir.tar.gz"
+    resources = json.loads(session.read_bytes(
+        "s3://out-bucket/est-ec2-1/ec2/config/algo-2/resourceconfig.json"))
+    assert resources["current_host"] == "algo-2" and resources["hosts"] == ["algo-1", "algo-2"]
+    estimator.latest_training_job.stop()
+    assert estimator.latest_training_job.status == JobStatus.STOPPED

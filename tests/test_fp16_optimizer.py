@@ -279,8 +279,15 @@ def test_health_log_every_interval(start, monkeypatch, caplog):
 
 
 # ---- data parallel on 2 Gloo ranks ---------------------------------------------------------
+def _cpu_only():
+    # This module asks torch about CUDA at import (DEVICES), before mp_utils hides the GPUs in
+    # the child; on a one-GPU machine rank 1 would then pick cuda:1. Keep the ranks on CPU.
+    torch.cuda.is_available = lambda: False
+
+
 def _seed_pattern(rank, world, fp16, loss_args, poison_rank):
     """The seed script's calls, unmodified; rank `poison_rank` gets an inf loss at step 2."""
+    _cpu_only()
     smp.init({"fp16": fp16, "ddp": True})
     torch.manual_seed(0)
     with smp.model_creation(dtype=torch.float16 if fp16 else None):
@@ -348,6 +355,7 @@ def test_inf_on_one_rank_skips_everywhere_dp2():
 
 def _clip_norm(rank, world, fp16):
     """clip_master_grads with dp=2 vs clip_grad_norm_ on the full batch in one fp32 model."""
+    _cpu_only()
     smp.init({"fp16": fp16, "ddp": True})
     torch.manual_seed(0)
     base = TinyGPT()

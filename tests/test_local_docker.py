@@ -145,6 +145,79 @@ def test_two_containers_two_processes_train_over_the_job_network(client, tmp_pat
     assert not (tmp_path / "out" / name / "hosts").exists()
 
 
+SMP_SCRIPT = """
+    import hashlib, json, os
+    import torch
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init()  # fp16 + ddp, from the estimator's distribution (SM_HP_MP_PARAMETERS)
+    torch.manual_seed(0)
+    with smp.model_creation(dtype=torch.float16):
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         static_loss_scale=128.0)
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    per = 32 // smp.dp_size()
+    rows = slice(smp.dp_rank() * per, (smp.dp_rank() + 1) * per)
+    for _ in range(10):
+        optimizer.zero_grad(set_to_none=True)
+        train_step(model, x[rows].half(), y[rows])
+        optimizer.step()
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    info = {"rank": smp.rank(), "dp": smp.dp_size(), "host": os.environ["SM_CURRENT_HOST"],
+            "dtype": str(next(model.parameters()).dtype),
+            "params": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+    with open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], f"rank-{smp.rank()}.json"), "w") as f:
+        json.dump(info, f)
+    if smp.rank() == 0:
+        torch.save([p.detach().float() for p in model.parameters()],
+                   os.path.join(os.environ["SM_MODEL_DIR"], "params.pt"))
+"""
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_smp_fp16_data_parallel_across_two_containers(client, tmp_path):
+    torch = pytest.importorskip("torch")
+    distribution = {"smdistributed": {"modelparallel": {
+        "enabled": True, "parameters": {"ddp": True, "fp16": True, "microbatches": 1}}}, **MPI2}
+    est = _estimator(tmp_path, SMP_SCRIPT, distribution=distribution)
+    name = _job_name()
+    est.fit(job_name=name)
+    out = tmp_path / "out" / name / "output"
+    ranks = {json.loads(v)["rank"]: json.loads(v) for v in _members(out / "output.tar.gz").values()}
+    assert sorted(ranks) == [0, 1, 2, 3] and {r["dp"] for r in ranks.values()} == {4}
+    assert [ranks[r]["host"] for r in range(4)] == ["algo-1", "algo-1", "algo-2", "algo-2"]
+    assert {r["dtype"] for r in ranks.values()} == {"torch.float16"}
+    assert len({r["params"] for r in ranks.values()}) == 1  # replicas agree across containers
+    (tmp_path / "model").mkdir()
+    with tarfile.open(out / "model.tar.gz") as tar:
+        tar.extractall(tmp_path / "model", filter="data")
+    trained = torch.load(tmp_path / "model" / "params.pt")
+    # Reference: one fp32 process, full batch, same start; fp16 compute tracks it closely.
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    for _ in range(10):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    for got, want in zip(trained, ref.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=2e-2, atol=5e-3)
+    assert _leftovers(client, name) == []
+
+
 def test_slower_second_host_completes_with_both_outputs(client, tmp_path, capsys):
     script = """
         import os, time

@@ -70,9 +70,9 @@ def test_every_match_counts_whole_match_without_group_non_numbers_skipped():
     table = parse_metrics(["acc=0.5 acc=oops acc=0.75"], defs)
     assert table.series("acc") == [0.5, 0.75]
     assert table.series("bare") == [0.5, 0.75]
-    # NaN cannot be stored as a metric (CloudWatch refuses it); infinity can.
-    nan_inf = parse_metrics(["loss nan", "loss inf"], [{"Name": "l", "Regex": r"loss (\S+)"}])
-    assert nan_inf.series("l") == [float("inf")]
+    # CloudWatch stores neither NaN nor infinity: both are skipped.
+    odd = parse_metrics(["loss nan", "loss inf", "loss -1e3"], [{"Name": "l", "Regex": r"loss (\S+)"}])
+    assert odd.series("l") == [-1000.0]
 
 
 def test_timestamps_are_seconds_since_first_line():

@@ -15,6 +15,7 @@ import pytest
 
 from fp16_sdk.errors import PackagingError, UnsafeArchiveError
 from fp16_sdk.packaging import FIXED_MTIME, build_sourcedir, safe_extract
+from fp16_sdk import packaging
 
 
 def _make_source(root: Path) -> Path:
@@ -157,7 +158,10 @@ def _info(name: str, kind=tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInf
     # A link to "." is inside the target, but "here/.." then resolves to its parent.
     ([_info("here", tarfile.SYMTYPE, "."), _info("here/../escaped.txt")], "outside"),
 ])
-def test_hostile_members_are_refused(tmp_path, members, why):
+@pytest.mark.parametrize("data_filter", ["python", "none"])
+def test_hostile_members_are_refused(tmp_path, members, why, data_filter, monkeypatch):
+    if data_filter == "none":  # Pythons before 3.11.4 (e.g. Debian bookworm's 3.11.2)
+        monkeypatch.setattr(packaging, "_DATA_FILTER", None)
     target = tmp_path / "target"
     tarball = _hostile(tmp_path, *members)
     with pytest.raises(UnsafeArchiveError, match=why) as err:
@@ -167,7 +171,10 @@ def test_hostile_members_are_refused(tmp_path, members, why):
     assert not Path("/tmp/fp16_sdk_abs_escape").exists()
 
 
-def test_benign_archive_extracts_with_inner_links(tmp_path):
+@pytest.mark.parametrize("data_filter", ["python", "none"])
+def test_benign_archive_extracts_with_inner_links(tmp_path, data_filter, monkeypatch):
+    if data_filter == "none":
+        monkeypatch.setattr(packaging, "_DATA_FILTER", None)
     tarball = tmp_path / "ok.tar.gz"
     with tarfile.open(tarball, "w:gz") as tar:
         for name, data in [("./train.py", b"print(1)\n"), ("pkg/a.py", b"A = 1\n")]:

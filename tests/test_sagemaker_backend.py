@@ -291,3 +291,30 @@ def test_no_secret_is_printed(aws, sourcedir, capsys):
     job.wait(logs=True)
     captured = capsys.readouterr()
     assert "testing-secret-value" not in captured.out + captured.err
+
+
+def test_pytorch_estimator_submits_through_this_backend(aws, tmp_path):
+    """The user path: PyTorch(...).fit() -> backend_for -> CreateTrainingJob in the emulator."""
+    from fp16_sdk.pytorch import PyTorch
+
+    session = Session()
+    make_buckets(session, "out-bucket")
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    estimator = PyTorch(entry_point="train.py", source_dir=str(tmp_path), image_uri=IMAGE,
+                        role=ROLE, instance_type="ml.p4d.24xlarge", instance_count=2,
+                        output_path="s3://out-bucket/models", sagemaker_session=session,
+                        distribution={"smdistributed": {"modelparallel": {
+                            "enabled": True, "parameters": {"partitions": 2, "fp16": True}}},
+                            "mpi": {"enabled": True, "processes_per_host": 8}})
+    estimator.fit({"train": "s3://data-bucket/train"}, wait=False, job_name="est-job-1")
+    described = estimator.latest_training_job.describe()
+    hps = {k: json.loads(v) for k, v in described["HyperParameters"].items()}
+    assert hps["sagemaker_program"] == "train.py"
+    assert hps["sagemaker_submit_directory"] == \
+        "s3://out-bucket/est-job-1/source/sourcedir.tar.gz"
+    assert hps["sagemaker_mpi_enabled"] is True
+    assert hps["sagemaker_mpi_num_of_processes_per_host"] == 8
+    assert hps["mp_parameters"] == {"pipeline_parallel_degree": 2, "fp16": True}  # alias resolved
+    assert described["InputDataConfig"][0]["DataSource"]["S3DataSource"]["S3Uri"] == \
+        "s3://data-bucket/train"
+    assert session.read_bytes(hps["sagemaker_submit_directory"]) is not None

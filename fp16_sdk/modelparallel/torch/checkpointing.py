@@ -388,3 +388,196 @@ def _save_full(path, tag, model, user_content, translate) -> None:
             _save_torch(user_content, os.path.join(path, f"user_content_{tag}"))
         _save_torch(full, os.path.join(path, tag))
     _barrier()
+
+
+# ---- resume -------------------------------------------------------------------------------
+def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optimizer=True,
+                           load_sharded_optimizer_state=True, translate_function=None):
+    """Resume from a checkpoint written by save_checkpoint (collective: every rank calls it).
+
+    RNG state and the step count are restored now; weights, fp32 masters, optimizer and
+    loss-scaler state are applied at the first `smp.step` (after partitioning), or now when
+    the model already ran a step. Call it after creating the DistributedModel (and the
+    DistributedOptimizer, which may also be created later, before the first step).
+
+    Args:
+        path: the checkpoint folder.
+        tag: the tag to load; None: the newest partial checkpoint (`newest`). Required for a
+            full checkpoint.
+        partial: load `<tag>_partial/` (same pp and tp as saved; any rdp) or, when False, the
+            full model file `<path>/<tag>` into any pp x tp layout (optimizer not loaded).
+        strict: model keys must match exactly.
+        load_optimizer: also restore optimizer, masters and loss scaler (partial only);
+            when False the fp32 masters are refreshed from the loaded weights.
+        load_sharded_optimizer_state: accepted for smp compatibility (the optimizer state of
+            this runtime is never sharded differently from the files it reads).
+        translate_function: applied to a full state dict before loading (e.g. HF -> smp keys).
+
+    Returns:
+        The user_content saved with the checkpoint (None if none was).
+
+    Raises:
+        IncompleteCheckpointError: the save did not finish (names the missing files) or a file
+            does not match the manifest.
+        CheckpointError: no such checkpoint, a different pp/tp layout, no DistributedModel.
+    """
+    state.require_init("smp.resume_from_checkpoint")
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint path must be a folder name (str), got "
+                              f"{type(path).__name__}")
+    path = os.fspath(path)
+    if state.model is None:
+        raise CheckpointError("smp.resume_from_checkpoint needs the smp.DistributedModel: call "
+                              "it after model = smp.DistributedModel(...)")
+    if not partial:
+        return _resume_full(path, tag, strict, translate_function)
+    folder, problem = _partial_folder(path, tag), None
+    try:
+        manifest = _verify_partial(folder)
+    except CheckpointError as exc:
+        manifest, problem = None, (type(exc), str(exc))
+    problems = [p for p in _allgather(problem) if p]
+    if problems:
+        raise problems[0][0](problems[0][1])
+    files = set(manifest["files"])
+    rng_name = "rng_states_{}_{}_{}.pt".format(*_coords())
+    if rng_name in files and manifest["world_size"] == state.topology.world_size:
+        _set_rng_state(_load(os.path.join(folder, rng_name)))
+    elif state.rank == 0:
+        log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
+                    "restored", folder, manifest["world_size"], state.topology.world_size)
+    pending = _read_partial(folder, files, load_optimizer)
+    _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
+                                                                     strict, load_optimizer))
+    user = os.path.join(folder, "user_content.pt")
+    return _load(user) if "user_content.pt" in files else None
+
+
+def _partial_folder(path: str, tag) -> str:
+    if tag is None:
+        entries = _read_newest(path)
+        if not entries:
+            raise CheckpointError(f"no {os.path.join(path, NEWEST)!r}: there is no partial "
+                                  f"checkpoint to resume in {path!r}; pass tag=... or check the "
+                                  f"path")
+        return os.path.join(path, entries[-1])
+    if not isinstance(tag, str) or not tag:
+        raise CheckpointError(f"checkpoint tag ({tag!r}) must be a non-empty str")
+    return os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial")
+
+
+def _verify_partial(folder: str) -> dict:
+    """The manifest, after checking it is complete and this rank's files match it."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
+    manifest = _read_json(os.path.join(folder, MANIFEST))
+    if manifest is None:
+        plan = _read_json(os.path.join(folder, PLAN))
+        if plan is None:
+            raise IncompleteCheckpointError(
+                f"checkpoint {folder!r} is incomplete: it has neither {MANIFEST} nor {PLAN} "
+                f"(its save stopped before writing anything); resume an older tag")
+        missing = sorted(f for f in plan["files"] if not os.path.exists(os.path.join(folder, f)))
+        raise IncompleteCheckpointError(
+            f"checkpoint {folder!r} is incomplete: its save did not finish ({MANIFEST} is "
+            f"missing); missing files: {missing or 'none, but the save was not committed'}; "
+            f"resume an older tag (the 'newest' file still names the last complete one)")
+    topo = state.topology
+    if (manifest["pp"], manifest["tp"]) != (topo.pp, topo.tp):
+        raise CheckpointError(
+            f"partial checkpoint {folder!r} was saved with pipeline_parallel_degree "
+            f"{manifest['pp']} and tensor_parallel_degree {manifest['tp']}, this job has "
+            f"{topo.pp} and {topo.tp}; use the same degrees, or save and load a full "
+            f"checkpoint (partial=False), which loads into any layout")
+    return manifest | {"files": _check_rank_files(folder, manifest)}
+
+
+def _read_names(files) -> list[str]:
+    """The files this rank loads: its (pp, tp) partition's (with sharding its own rdp's)."""
+    pp, tp, rdp = _coords()
+    info = f"{pp}_{tp}_{rdp}" if _sharded() else f"{pp}_{tp}"
+    names = [f"model_{pp}_{tp}.pt", f"optimizer_{info}.pt", f"fp16_states_{info}.pt",
+             "user_content.pt"]
+    return [n for n in names if n in files]
+
+
+def _check_rank_files(folder: str, manifest: dict) -> dict:
+    files = manifest["files"]
+    bad = []
+    for name in _read_names(files):
+        full, rec = os.path.join(folder, name), files[name]
+        if not os.path.exists(full):
+            bad.append(f"{name} (missing)")
+        elif os.path.getsize(full) != rec["size"]:
+            bad.append(f"{name} ({os.path.getsize(full)} bytes, manifest says {rec['size']})")
+        elif _sha256(full) != rec["sha256"]:
+            bad.append(f"{name} (sha256 differs from the manifest)")
+    if bad:
+        raise IncompleteCheckpointError(f"checkpoint {folder!r} is damaged: {', '.join(bad)}")
+    return files
+
+
+def _read_partial(folder: str, files, load_optimizer: bool) -> dict:
+    pending = {}
+    for name in _read_names(files):
+        kind = name.split("_")[0]  # model / optimizer / fp16 / user
+        if kind in ("model",) or (load_optimizer and kind in ("optimizer", "fp16")):
+            pending[kind] = _load(os.path.join(folder, name))
+    return pending
+
+
+def _apply_when_partitioned(apply) -> None:
+    """Run `apply(model, optimizer)` at the first step (post-partition hook), or now when the
+    model already ran its first step."""
+    model = state.model
+    if getattr(model, "_hooks_ran", False):
+        apply(model, state.optimizer)
+        return
+    handle = None
+
+    def hook(model, optimizer):
+        handle.remove()
+        apply(model, optimizer if optimizer is not None else state.optimizer)
+    handle = model.register_post_partition_hook(hook)
+
+
+def _apply_partial(model, optimizer, pending: dict, strict: bool, load_optimizer: bool) -> None:
+    if "model" in pending:
+        model.load_state_dict(pending["model"], strict=strict)
+    if not load_optimizer or "optimizer" not in pending:
+        _refresh_masters(optimizer)
+        return
+    if optimizer is None:
+        raise CheckpointError("resume_from_checkpoint(load_optimizer=True): no "
+                              "smp.DistributedOptimizer exists at the first step; create it "
+                              "before the first smp.step, or pass load_optimizer=False")
+    optimizer.load_state_dict({**pending["optimizer"], **pending.get("fp16", {})})
+
+
+def _refresh_masters(optimizer) -> None:
+    """fp32 masters = the (just loaded) half weights, else the next step would undo the load."""
+    masters = getattr(optimizer, "_masters", None)
+    if masters is not None:
+        masters.copy_from_model()
+
+
+def _resume_full(path: str, tag, strict: bool, translate_function):
+    if not isinstance(tag, str) or not tag:
+        raise CheckpointError(f"resume_from_checkpoint(partial=False) needs tag=<the full "
+                              f"checkpoint's file name in {path!r}>, got {tag!r}")
+    target = os.path.join(path, tag)
+    problem = None if os.path.isfile(target) else (
+        f"full checkpoint {target!r} does not exist (a save with partial=False writes "
+        f"<path>/<tag>; partial checkpoints load with partial=True)")
+    _agree(problem)
+    sd = _load(target)
+    if translate_function is not None:
+        sd = translate_function(sd)
+    sd = {k: v for k, v in sd.items() if k != "_smp_is_partial"}
+
+    def apply(model, optimizer):
+        model.load_state_dict(sd, strict=strict)
+        _refresh_masters(optimizer)
+    _apply_when_partitioned(apply)
+    user = os.path.join(path, f"user_content_{tag}")
+    return _load(user) if os.path.isfile(user) else None
