@@ -8,12 +8,14 @@ Fields (docs/internals.md "Runtime state"):
 - model / optimizer: the one DistributedModel / DistributedOptimizer.
 - creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
   PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used.
-- in_step, microbatch (index inside the running step, else None), num_microbatches,
-  step_count (completed steps).
+- in_step, microbatch (index inside the running step, else None; per thread, because with
+  pp > 1 the pipeline runs each microbatch's step body in a thread of its own),
+  num_microbatches, step_count (completed steps).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -44,9 +46,18 @@ class RuntimeState:
         self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self.creation_dtype: Any = None
         self.in_step = False
-        self.microbatch: int | None = None
+        self._thread = threading.local()  # microbatch, per thread
         self.step_count = 0
         self.owns_process_group = False
+
+    @property
+    def microbatch(self) -> int | None:
+        """The microbatch the calling thread's step body runs (None outside a step)."""
+        return getattr(self._thread, "microbatch", None)
+
+    @microbatch.setter
+    def microbatch(self, value: int | None) -> None:
+        self._thread.microbatch = value
 
     @property
     def num_microbatches(self) -> int:
