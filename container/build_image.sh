@@ -9,7 +9,7 @@
 #    GPU: $BASE_IMAGE, else an official CUDA PyTorch image (pulled: needs a registry).
 # 3. docker build container/Dockerfile with the wheelhouse as context.
 #
-# Usage: container/build_image.sh [--gpu] [--tag TAG]
+# Usage: container/build_image.sh [cpu|gpu] [--tag TAG]     (--cpu / --gpu also accepted)
 #   env: BASE_IMAGE, TORCH_VERSION (default 2.13.0), WHEELHOUSE (default <repo>/wheelhouse),
 #        PYTHON (default python3)
 set -euo pipefail
@@ -19,10 +19,11 @@ variant="cpu"
 tag=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --gpu) variant="gpu" ;;
+        --gpu|gpu) variant="gpu" ;;
+        --cpu|cpu) variant="cpu" ;;
         --tag) tag="$2"; shift ;;
-        -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}"; exit 0 ;;
-        *) echo "unknown argument $1 (use --gpu, --tag TAG)" >&2; exit 2 ;;
+        -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) echo "unknown argument $1 (use cpu, gpu, --tag TAG)" >&2; exit 2 ;;
     esac
     shift
 done

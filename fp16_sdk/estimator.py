@@ -446,8 +446,12 @@ class Estimator:
         sourcedir = self._package(name, output_path)
         spec = self._job_spec(name, hyperparameters, sourcedir, channels, output_path)
         self._reserved, self._current_job_name = reserved, name
-        self.latest_training_job = backend_for(self.instance_type,
-                                               session=self.sagemaker_session).submit(spec)
+        try:
+            self.latest_training_job = backend_for(self.instance_type,
+                                                   session=self.sagemaker_session).submit(spec)
+        finally:
+            if not self._local:  # remote backends upload the package inside submit()
+                shutil.rmtree(Path(sourcedir).parent, ignore_errors=True)
         if wait:
             self.latest_training_job.wait(logs=logs)
 
@@ -509,6 +513,33 @@ class Estimator:
             keep_alive_period_in_seconds=self.keep_alive_period_in_seconds,
             container_log_level=self.container_log_level,
             backend_options=dict(self.backend_options))
+
+    @classmethod
+    def attach(cls, training_job_name: str, sagemaker_session: Any = None) -> "Estimator":
+        """An estimator bound to an existing SageMaker (or EC2) job, as SageMaker's `attach`.
+
+        The result offers what a finished or running job needs: `latest_training_job`
+        (wait/logs/stop/describe), `model_data` and `logs()`. It cannot `fit()` again: it has
+        no entry point. For EC2 jobs pass the `EC2Session` and the job's S3 root.
+
+        Raises:
+            BackendError: no such job.
+        """
+        backend = backend_for("ml.attach", session=sagemaker_session)
+        if not hasattr(backend, "attach"):
+            raise _fail("sagemaker_session", sagemaker_session,
+                        "selects a backend that cannot attach to jobs")
+        handle = backend.attach(training_job_name)
+        est = cls.__new__(cls)
+        est.sagemaker_session = sagemaker_session
+        est.latest_training_job = handle
+        est._current_job_name = training_job_name
+        desc = handle.describe()
+        resources = desc.get("ResourceConfig", {})
+        est.instance_type = resources.get("InstanceType")
+        est.instance_count = resources.get("InstanceCount")
+        est.image_uri = desc.get("AlgorithmSpecification", {}).get("TrainingImage")
+        return est
 
     def _require_job(self) -> JobHandle:
         if self.latest_training_job is None:

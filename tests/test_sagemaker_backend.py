@@ -282,6 +282,12 @@ def test_attach_and_backend_selection(aws, sourcedir):
     assert attached.describe()["HyperParameters"]["epochs"] == "3"
     with pytest.raises(BackendError, match="no training job 'missing-job'"):
         backend.attach("missing-job")
+    # The user path: PyTorch.attach(name), as in SageMaker.
+    from fp16_sdk.pytorch import PyTorch
+    est = PyTorch.attach("fp16-job-1", sagemaker_session=session)
+    assert est.latest_training_job.name == "fp16-job-1"
+    assert (est.instance_type, est.instance_count) == (
+        full_spec(sourcedir).instance_type, full_spec(sourcedir).instance_count)
 
 
 def test_no_secret_is_printed(aws, sourcedir, capsys):

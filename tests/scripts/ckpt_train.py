@@ -41,6 +41,7 @@ def parse_args():
     p.add_argument("--ckpt_dir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--full_tag", default="")
+    p.add_argument("--load_full", default="", help="tag of a full checkpoint to start from")
     p.add_argument("--mp_parameters", default="")  # SageMaker passes it; smp reads the env
     return p.parse_args()
 
@@ -52,6 +53,12 @@ def train_step(model, ids, labels):
     loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
     model.backward(loss)
     return loss
+
+
+@smp.step
+def eval_step(model, ids):
+    out = model((ids, None, None, None, None))
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def batch(step, args, device):
@@ -92,7 +99,10 @@ def main():
     ckpt = args.ckpt_dir or os.path.join(base, "checkpoints")
     hist = {"loss": [], "loss_scale": [], "skipped": [], "resumed_at": 0}
     start = 0
-    if os.path.exists(os.path.join(ckpt, "newest")):
+    if args.load_full:
+        start = smp.resume_from_checkpoint(ckpt, tag=args.load_full, partial=False)["step"]
+        hist["resumed_at"] = start
+    elif os.path.exists(os.path.join(ckpt, "newest")):
         user = smp.resume_from_checkpoint(ckpt)
         start, hist = user["step"], user["history"]
         hist["resumed_at"] = start
@@ -123,8 +133,12 @@ def main():
     if args.full_tag:
         smp.save_checkpoint(ckpt, tag=args.full_tag, partial=False, model=model,
                             user_content={"step": args.steps})
+    model.eval()
+    probe = batch(10_000, args, device)[0]  # the same rows on every rank of a data shard
+    logits = eval_step(model, probe).concat()
     full = model.state_dict()
     if smp.rank() == 0:
+        hist["probe_ids"], hist["probe_logits"] = probe.tolist(), logits.float().tolist()
         hist["final_loss_scale"] = float(opt.loss_scale)
         hist["weights_sha256"] = weights_sha(full)
         out = args.out or os.path.join(os.environ.get("SM_OUTPUT_DATA_DIR", "."), "history.json")

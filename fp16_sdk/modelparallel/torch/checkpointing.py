@@ -22,7 +22,8 @@ with `IncompleteCheckpointError`, naming the files `.plan.json` expected that ar
 while `newest` still names the previous checkpoint, which loads as before.
 
 Test hook: `FP16_SDK_CKPT_TEST_PAUSE_AFTER=<glob>` makes a rank sleep after it renamed a file
-whose name matches, so a test can SIGKILL it between files.
+whose name (or "<folder>/<name>", e.g. "step8_partial/optimizer_*") matches, so a test can
+SIGKILL it between files.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _atomic_write(target: str, write) -> dict:
             os.unlink(tmp)
         raise
     _fsync_dir(folder)
-    _maybe_pause(name)
+    _maybe_pause(os.path.join(os.path.basename(folder), name))
     return {"size": writer.size, "sha256": writer.sha.hexdigest()}
 
 
@@ -117,8 +118,10 @@ def _save_json(obj, target: str) -> dict:
 
 
 def _maybe_pause(name: str) -> None:
+    """The test hook; `name` is "<folder>/<file>", the pattern may match it or the file."""
     pattern = os.environ.get(_PAUSE_ENV)
-    if pattern and fnmatch.fnmatch(name, pattern):
+    if pattern and (fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(os.path.basename(name),
+                                                                      pattern)):
         print(f"[smp checkpoint test hook] wrote {name}; pausing for the test to kill me",
               file=sys.stderr, flush=True)
         time.sleep(3600)

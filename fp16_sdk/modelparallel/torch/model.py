@@ -1,10 +1,16 @@
 """`smp.DistributedModel`: the one wrapped model of a training script.
 
 Wrap time: TP module replacement (tp > 1, by smp.nn's `distribute_tensor_parallel`), the FP16 /
-BF16 wrapper (`fp16.module.FP16Module`), then with pp == 1 device placement, parameter and
-buffer broadcast from the first rank of each data-parallel group, and the gradient reducer.
-With pp > 1 the pipeline engine does partitioning and placement at the first `smp.step`;
-broadcast and the reducer follow it. Gradient maths: see reducer.py.
+BF16 wrapper (`fp16.module.FP16Module`), with pp > 1 partitioning by the pipeline engine (it
+frees other stages' tensors), then device placement, parameter and buffer broadcast from the
+first rank of each data-parallel group, and the gradient reducer. Post-partition hooks and a
+pending load_state_dict run at the first `smp.step`. Gradient maths: see reducer.py.
+
+Why pp > 1 partitions at wrap time, not at the first step as smp's tracer does: the partition
+here is arithmetic on the module tree (no trace needed), and scripts build the optimizer from
+`model.parameters()` right after wrapping. Partitioned first, that optimizer (and its fp32
+masters with fp16) sees this stage's tensors at full size and other stages' as 0-element
+placeholders, so it holds and steps only the local part, and nothing it copied goes stale.
 """
 
 from __future__ import annotations
@@ -122,8 +128,7 @@ class DistributedModel(nn.Module):
         self._backwards_in_step = 0
         self._sync_this_step = False
         state.model = self
-        if state.topology.pp == 1:
-            self._partition()
+        self._partition()
 
     # ---- partitioning, broadcast, reducer -----------------------------------------------------
     @property
@@ -205,6 +210,8 @@ class DistributedModel(nn.Module):
     def _post_step(self) -> None:
         if self._reducer is not None:
             self._reducer.finish()
+        if self._pipeline is not None and self._sync_this_step:
+            self._pipeline.finish_step()  # tied weights: sum the reduced grads over stages
         if self._backwards_in_step:
             self._backward_steps += 1
 

@@ -5,7 +5,8 @@ Seams:
   `shard_full_state_dict` slices full tensors (and keeps local-shaped ones) for loading.
 - with pp > 1, a module's stage is its `_smp_partition` (set by the partitioner; a module
   without it takes its parent's); a parameter or buffer is local when its owning module's
-  stage is this rank's pp_rank.
+  stage is this rank's pp_rank, or when it is a tied weight held by this stage
+  (`_smp_held_stages`, pipeline/stage_params.py; e.g. the word embedding on the last stage).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def _is_local(stage) -> bool:
         stage == state.topology.pp_rank(state.rank)
 
 
+def _held_here(tensor) -> bool:
+    return state.topology.pp_rank(state.rank) in getattr(tensor, "_smp_held_stages", ())
+
+
 def local_named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module, stage in named_modules_with_stage(root):
         if _is_local(stage):
@@ -49,10 +54,11 @@ def local_named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def local_named_tensors(root: nn.Module, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Local parameters (kind="parameters") or buffers (kind="buffers"), each once."""
     seen = set()
-    for mname, module in local_named_modules(root):
+    for mname, module, stage in named_modules_with_stage(root):
         items = module._parameters if kind == "parameters" else module._buffers
+        local = _is_local(stage)
         for name, tensor in items.items():
-            if tensor is None or id(tensor) in seen:
+            if tensor is None or id(tensor) in seen or not (local or _held_here(tensor)):
                 continue
             seen.add(id(tensor))
             yield (f"{mname}.{name}" if mname else name), tensor
@@ -60,10 +66,14 @@ def local_named_tensors(root: nn.Module, kind: str) -> Iterator[tuple[str, torch
 
 def _local_keys(root: nn.Module) -> set[str]:
     keys = set()
-    for mname, module in local_named_modules(root):
-        for key in module.state_dict(prefix=f"{mname}." if mname else "", keep_vars=True):
-            if key.count(".") == (mname.count(".") + 1 if mname else 0):
-                keys.add(key)  # own entries only; children report theirs themselves
+    for mname, module, stage in named_modules_with_stage(root):
+        local = _is_local(stage)
+        own = module.state_dict(prefix=f"{mname}." if mname else "", keep_vars=True)
+        for key, value in own.items():
+            if key.count(".") != (mname.count(".") + 1 if mname else 0):
+                continue  # own entries only; children report theirs themselves
+            if local or (isinstance(value, torch.Tensor) and _held_here(value)):
+                keys.add(key)
     return keys
 
 
@@ -119,8 +129,10 @@ def prepare_state_dict_for_load(root: nn.Module, sd: dict, *, same_partition_loa
     topo = state.topology
     if partial and topo.pp > 1 and not same_partition_load:
         sd = _merge_pp(sd)  # stage assignment may differ from the one that saved it
+    expected = _local_keys(root) if topo.pp > 1 else set(root.state_dict().keys())
+    if topo.pp > 1:  # other stages' tensors are freed here: only local entries can load
+        sd = {k: v for k, v in sd.items() if k in expected}
     if topo.tp > 1:
         from .nn.auto import shard_full_state_dict
         sd = dict(shard_full_state_dict(root, sd))  # full tensors sliced, shards kept
-    expected = _local_keys(root) if topo.pp > 1 else set(root.state_dict().keys())
     return sd, expected

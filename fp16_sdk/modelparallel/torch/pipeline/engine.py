@@ -15,10 +15,11 @@ forward stops (s < p-1) with that output as the stage's activation. Modules befo
 activation, cost no graph. Supported model shape: the forward calls the blocks in list order,
 each block's output feeding the next (nanoGPT, HF GPT-2, smp.nn.DistributedTransformer).
 
-Tied weights: a parameter held by modules of several stages (LM head tied to the embedding)
-is `_smp_tied_duplicate = True` on every stage but its first; all copies start equal (the
-whole model is broadcast from stage 0 at partition time) and `finish_step()` sums their
-gradients over the pipeline group, so they stay equal.
+Memory and tied weights (stage_params.py): after partitioning each stage frees the tensors of
+other stages' modules; a weight used on several stages (LM head tied to the embedding) is
+held by each of them, `_smp_tied_duplicate = True` on all but the first; all copies start
+equal (the whole model is broadcast from stage 0 at partition time) and `finish_step()` sums
+their gradients over the pipeline group, so they stay equal.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..state import state
 from .p2p import TensorChannel, flatten
 from .partition import Partition, auto_partition, manual_partition
 from .schedule import Kind, build_schedule, run_actions
+from .stage_params import broadcast_from, find_tied, mark_stages, release_other_stages
 
 __all__ = ["PipelineEngine", "PipelineSettings"]
 
@@ -120,9 +122,10 @@ class PipelineEngine:
         else:
             self.partition = manual_partition(self.module, s.num_stages,
                                               recorded=s.recorded, default=s.default_partition)
-        self._mark_modules()
-        self._broadcast_from_first_stage()
-        self._tied = self._mark_tied()
+        mark_stages(self.module, self.partition)
+        broadcast_from(self.module, s.pp_ranks[0], s.group)  # tied copies start equal
+        self._tied = find_tied(self.module, self.partition, self.stage)
+        self.freed_numel = release_other_stages(self.module, self.partition, self.stage)
         self._install_wrappers()
         self.schedule = build_schedule(s.schedule, s.num_stages, s.microbatches,
                                        s.active_microbatches)
@@ -135,41 +138,6 @@ class PipelineEngine:
             log.info(self.partition.describe(self.module))
 
     # ---- partition-time setup -----------------------------------------------------------------
-    def _mark_modules(self) -> None:
-        """Write `_smp_partition` (read by model_state's local_* and state_dict gathering)."""
-        part = self.partition
-        for name, sub in self.module.named_modules():
-            sub._smp_partition = 0  # ancestors, unused modules; set below for the rest
-        for name in part.pre:
-            _set_stage(self.module.get_submodule(name), 0)
-        for name in part.post:
-            _set_stage(self.module.get_submodule(name), self.last)
-        for i, stage in enumerate(part.block_stage):
-            _set_stage(self.module.get_submodule(part.block_name(i)), stage)
-
-    def _broadcast_from_first_stage(self) -> None:
-        """Every stage's copy equals stage 0's (tied weights start equal; spec §4)."""
-        src = self.settings.pp_ranks[0]
-        tensors = list(self.module.parameters()) + list(self.module.buffers())
-        with torch.no_grad():
-            for t in tensors:
-                dist.broadcast(t.data, src=src, group=self.settings.group)
-
-    def _mark_tied(self) -> list[tuple[str, nn.Parameter]]:
-        stages: dict[int, set[int]] = {}
-        names: dict[int, tuple[str, nn.Parameter]] = {}
-        for mname, sub in self.module.named_modules(remove_duplicate=False):
-            for pname, p in sub._parameters.items():
-                if p is not None:
-                    stages.setdefault(id(p), set()).add(sub._smp_partition)
-                    names.setdefault(id(p), (f"{mname}.{pname}" if mname else pname, p))
-        tied = [names[k] for k, st in stages.items() if len(st) > 1]
-        for _, p in tied:
-            if self.stage in stages[id(p)] and self.stage != min(stages[id(p)]):
-                p._smp_tied_duplicate = True
-        self._tied_stages = {id(p): stages[id(p)] for _, p in tied}
-        return sorted(tied, key=lambda item: item[0])
-
     def _install_wrappers(self) -> None:
         part, stage = self.partition, self.stage
         own = [i for i, s in enumerate(part.block_stage) if s == stage]
@@ -353,14 +321,13 @@ class PipelineEngine:
         for slot in slots:
             if slot.error is not None:
                 raise slot.error
-        if getattr(self.model, "_reducer", None) is None:
+        if not hasattr(self.model, "_post_step"):  # a DistributedModel calls it after its reducer
             self.finish_step()
-        else:
-            self._finish_after_reducer(self.model._reducer)
         return [slot.result for slot in slots]
 
     def _body_thread(self, slot: _Slot, body, args, kwargs) -> None:
         self._local.slot = slot
+        state.microbatch = slot.mb  # per thread (state.py)
         try:
             slot.result = body(*args, **kwargs)
         except BaseException as exc:  # handed to the executor, which re-raises it
@@ -385,26 +352,18 @@ class PipelineEngine:
                             f"by dp_rank(), or rdp_rank() with prescaled_batch)")
         self._checked_signature = mine
 
-    def _finish_after_reducer(self, reducer) -> None:
-        """Sum tied gradients once the data-parallel reducer has written its results."""
-        if getattr(reducer, "_smp_pipeline_finish", False) or not self._tied:
-            return
-        original = reducer.finish
-
-        def finish():
-            original()
-            self.finish_step()
-        reducer.finish, reducer._smp_pipeline_finish = finish, True
-
     def finish_step(self) -> None:
-        """Sum the gradients of tied weights over the pipeline group (collective, every stage)."""
-        for _, p in self._tied:
-            holds = self.stage in self._tied_stages[id(p)]
-            grad = p.grad if holds and p.grad is not None else torch.zeros_like(p)
+        """Sum the gradients of tied weights over the pipeline group (collective, every stage).
+
+        Runs after the data-parallel reducer (each holding stage's gradient is already its
+        data-parallel mean), so the sum is the gradient of the whole model's loss.
+        """
+        for tied in self._tied:
+            p, holds = tied.param, self.stage in tied.stages
+            if holds and p.grad is not None:
+                grad = p.grad
+            else:
+                grad = torch.zeros(getattr(p, "_smp_full_shape", p.shape), dtype=p.dtype,
+                                   device=p.device)
             dist.all_reduce(grad, group=self.settings.group)
             p.grad = grad if holds else None
-
-
-def _set_stage(module: nn.Module, stage: int) -> None:
-    for sub in module.modules():
-        sub._smp_partition = stage

@@ -1,0 +1,161 @@
+"""Which parameters a pipeline stage holds, and freeing the rest.
+
+After partitioning, stage s keeps:
+- the parameters and buffers of its own blocks (and of `post` on the last stage);
+- the `pre` modules (embeddings) on every stage: on stages > 0 they run under no_grad only so
+  the model's forward reaches the blocks (their result is replaced by the received
+  activation), which needs real weights of the right shapes;
+- the module tree's own parameters (ancestors of the blocks; stage 0's, rare);
+- tied parameters held by this stage (below).
+Everything else (other stages' blocks, `post` on stages but the last) is freed: its `.data`
+becomes a 0-element tensor of the same dtype and device, the full shape kept in
+`_smp_full_shape`. Names stay, so `model.parameters()` still lists the whole model (an
+optimizer built from it steps empty tensors for free) and `state_dict()` gathers the real
+values from their owning stages.
+
+Tied parameters: one parameter used on several stages. Found two ways:
+- module membership: a Parameter object registered in modules of different stages (a head
+  `Linear` whose weight is the embedding's);
+- declared: a module can list, in `_smp_pipeline_tied`, qualified names of parameters of
+  `pre` modules that its forward uses after the blocks (the LM head of
+  `DistributedTransformerLMHead` multiplies by the word embedding's weight directly, with no
+  module call); that model is recognised by its `add_lm_head` flag as well.
+A tied parameter records the stages holding it in `_smp_held_stages` (it is local on each of
+them, so each stage's data-parallel reducer averages its gradient) and is
+`_smp_tied_duplicate = True` on all of them but the first (counted once in norms). The
+engine sums its gradients over the pipeline group after the reducer, so all copies see the
+same gradient and stay equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .partition import Partition
+
+__all__ = ["mark_stages", "broadcast_from", "find_tied", "release_other_stages",
+           "TiedParam", "held_bytes"]
+
+
+class TiedParam:
+    """A parameter used on several stages: its name, the Parameter and the stages."""
+
+    def __init__(self, name: str, param: nn.Parameter, stages: frozenset[int]):
+        self.name, self.param, self.stages = name, param, stages
+
+
+def _set_stage(module: nn.Module, stage: int) -> None:
+    for sub in module.modules():
+        sub._smp_partition = stage
+
+
+def mark_stages(module: nn.Module, part: Partition) -> None:
+    """Write `_smp_partition` on every module (read by model_state's local_* views)."""
+    last = part.num_stages - 1
+    for _, sub in module.named_modules():
+        sub._smp_partition = 0  # ancestors and modules outside pre/blocks/post
+    for name in part.pre:
+        _set_stage(module.get_submodule(name), 0)
+    for name in part.post:
+        _set_stage(module.get_submodule(name), last)
+    for i, stage in enumerate(part.block_stage):
+        _set_stage(module.get_submodule(part.block_name(i)), stage)
+
+
+def broadcast_from(module: nn.Module, src: int, group) -> None:
+    """Every stage's copy of every parameter and buffer equals global rank src's."""
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def _declared(module: nn.Module, part: Partition) -> dict[str, set[int]]:
+    """Declared ties: name -> the extra stage using it (the last: uses come after the blocks)."""
+    last = part.num_stages - 1
+    names: set[str] = set()
+    for mname, sub in module.named_modules():
+        prefix = f"{mname}." if mname else ""
+        names.update(prefix + n for n in getattr(sub, "_smp_pipeline_tied", ()))
+        if getattr(sub, "add_lm_head", False) and hasattr(sub, "word_embedding"):
+            names.add(f"{prefix}word_embedding.weight")  # DistributedTransformerLMHead
+    return {n: {last} for n in names}
+
+
+def find_tied(module: nn.Module, part: Partition, stage: int) -> list[TiedParam]:
+    """Tied parameters (module docstring), by name; marks `_smp_held_stages` and
+    `_smp_tied_duplicate` (this stage)."""
+    stages: dict[int, set[int]] = {}
+    names: dict[int, tuple[str, nn.Parameter]] = {}
+    for mname, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in sub._parameters.items():
+            if p is not None:
+                stages.setdefault(id(p), set()).add(sub._smp_partition)
+                names.setdefault(id(p), (f"{mname}.{pname}" if mname else pname, p))
+    by_name = {name: key for key, (name, _) in names.items()}
+    for name, extra in _declared(module, part).items():
+        if name in by_name:
+            stages[by_name[name]] |= extra
+    tied = []
+    for key, held in stages.items():
+        if len(held) < 2:
+            continue
+        name, p = names[key]
+        p._smp_held_stages = frozenset(held)
+        if stage in held and stage != min(held):
+            p._smp_tied_duplicate = True
+        tied.append(TiedParam(name, p, frozenset(held)))
+    return sorted(tied, key=lambda t: t.name)
+
+
+def _kept_ids(module: nn.Module, part: Partition, stage: int) -> set[int]:
+    kept: set[int] = set()
+    owned = [part.block_name(i) for i, s in enumerate(part.block_stage) if s == stage]
+    owned += list(part.pre)
+    if stage == part.num_stages - 1:
+        owned += list(part.post)
+    for name in owned:
+        sub = module.get_submodule(name)
+        kept.update(id(t) for t in list(sub.parameters()) + list(sub.buffers()))
+    placed = {id(m) for name in _placed_names(part) for m in module.get_submodule(name).modules()}
+    for sub in module.modules():  # the tree's own tensors (outside pre, blocks and post)
+        if id(sub) in placed:
+            continue
+        kept.update(id(t) for t in sub._parameters.values() if t is not None)
+        kept.update(id(t) for t in sub._buffers.values() if t is not None)
+    return kept
+
+
+def _placed_names(part: Partition) -> list[str]:
+    return list(part.pre) + [part.block_name(i) for i in range(len(part.block_stage))] + \
+        list(part.post)
+
+
+def release_other_stages(module: nn.Module, part: Partition, stage: int) -> int:
+    """Free the parameters and buffers this stage does not hold (module docstring).
+
+    Returns:
+        The number of elements freed.
+    """
+    kept = _kept_ids(module, part, stage)
+    freed, seen = 0, set()
+    with torch.no_grad():
+        for name in _placed_names(part):
+            sub = module.get_submodule(name)
+            for t in list(sub.parameters()) + list(sub.buffers()):
+                held = stage in getattr(t, "_smp_held_stages", ())
+                if id(t) in kept or id(t) in seen or held:
+                    continue
+                seen.add(id(t))
+                freed += t.numel()
+                t._smp_full_shape = tuple(t.shape)
+                if isinstance(t, nn.Parameter):
+                    t.grad = None
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return freed
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of storage the given tensors hold (0 for freed ones)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
