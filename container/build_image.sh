@@ -22,7 +22,7 @@ while [[ $# -gt 0 ]]; do
         --gpu|gpu) variant="gpu" ;;
         --cpu|cpu) variant="cpu" ;;
         --tag) tag="$2"; shift ;;
-        -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "unknown argument $1 (use cpu, gpu, --tag TAG)" >&2; exit 2 ;;
     esac
     shift

@@ -2,9 +2,10 @@
 
 The job runs in the training image exactly as SageMaker runs it, driven through the Docker SDK
 (no compose, no shell strings):
-- a bridge network per job; container `<job>-algo-N`, hostname and network alias `algo-N`, so
-  the toolkit finds the master host through DNS as on SageMaker; the rendezvous port lives
-  inside that network, so no host port is published and two jobs never clash on a port;
+- a bridge network per job (internal, with no way out, under enable_network_isolation);
+  container `<job>-algo-N`, hostname and network alias `algo-N`, so the toolkit finds the
+  master host through DNS as on SageMaker; the rendezvous port lives inside that network, so
+  no host port is published and two jobs never clash on a port;
 - each host's /opt/ml is `<output_path>/<job>/hosts/algo-N/` (laid out by `local_common`),
   bind-mounted; the job's sourcedir.tar.gz is safely extracted into each host's code/ and
   `sagemaker_submit_directory` is "/opt/ml/code", SageMaker's convention for code already in
@@ -222,7 +223,7 @@ class LocalDockerBackend(Backend):
         try:
             job.network = self.client.networks.create(
                 network_name(spec.job_name), driver="bridge", labels=job_labels(spec.job_name),
-                check_duplicate=True)
+                check_duplicate=True, internal=spec.enable_network_isolation)
             requests = gpu_requests(spec.instance_count, spec.processes_per_host,
                                     _count_gpus()) if self.gpu else [None] * spec.instance_count
             env = self._environment(spec, options)

@@ -1,0 +1,226 @@
+"""Generate docs/runtime-api.md from the smp runtime (`fp16_sdk.modelparallel.torch`).
+
+Every name in the package's `__all__` gets its signature (read with `inspect`) and one line of
+semantics: the first line of its docstring, else the line written here from the spec
+(shared spec smp-v1-api.md). Names the spec lists but the runtime does not export yet are listed
+under "Not provided yet", so the page never claims more than the code has.
+
+    python3 tools/gen_api_docs.py           # write docs/runtime-api.md
+    python3 tools/gen_api_docs.py --check   # exit 1 if the committed page is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import inspect
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import fp16_sdk.modelparallel.torch as smp  # noqa: E402
+
+OUT = ROOT / "docs" / "runtime-api.md"
+
+GROUPS = [
+    ("Setup and ranks", ["init", "is_initialized", "is_tracing", "state", "rank", "size",
+                         "local_rank", "local_size", "dp_rank", "dp_size", "tp_rank", "tp_size",
+                         "pp_rank", "pp_size", "rdp_rank", "rdp_size", "mp_rank", "mp_size"]),
+    ("Process groups and rank lists", [
+        "get_world_process_group", "get_mp_process_group", "get_dp_process_group",
+        "get_tp_process_group", "get_pp_process_group", "get_rdp_process_group",
+        "get_mp_group", "get_dp_group", "get_tp_group", "get_pp_group", "get_rdp_group"]),
+    ("Object communication", ["CommGroup", "RankType", "WORLD", "MP_GROUP", "DP_GROUP",
+                              "TP_GROUP", "PP_GROUP", "RDP_GROUP", "WORLD_RANK", "MP_RANK",
+                              "DP_RANK", "TP_RANK", "PP_RANK", "RDP_RANK", "broadcast", "send",
+                              "recv_from", "allgather", "barrier", "dp_barrier", "mp_barrier"]),
+    ("Training", ["step", "StepOutput", "DistributedModel", "DistributedOptimizer", "model"]),
+    ("Model creation", ["model_creation", "tensor_parallelism", "set_tensor_parallelism",
+                        "tp_register", "tp_register_with_module", "partition", "set_partition",
+                        "delay_param_initialization", "set_activation_checkpointing"]),
+    ("Checkpoints", ["save", "load", "save_checkpoint", "resume_from_checkpoint"]),
+    ("Tensor-parallel modules", ["nn"]),
+    ("Errors", ["errors", "SMPError", "SMPConfigError", "SMPNotInitializedError", "StepError",
+                "CommError", "CheckpointError", "SMPUnsupportedError"]),
+]
+
+# Semantics for names whose docstring is missing (written from the spec, §1, §9).
+FALLBACK = {
+    "dp_rank": "Rank inside the data-parallel group (the ranks holding this rank's partition).",
+    "tp_rank": "Rank inside the tensor-parallel group.",
+    "tp_size": "Tensor-parallel degree (`tensor_parallel_degree`).",
+    "pp_rank": "Pipeline stage of this rank (0 .. pp_size() - 1).",
+    "pp_size": "Pipeline-parallel degree (`pipeline_parallel_degree`).",
+    "rdp_rank": "Rank inside the reduced-data-parallel group (same pp and tp ranks).",
+    "rdp_size": "size / (pp * tp): the number of model replicas.",
+    "mp_rank": "Rank inside the model-parallel group (the ranks of one model replica).",
+    "get_world_process_group": "torch ProcessGroup of every rank.",
+    "get_mp_process_group": "torch ProcessGroup of this rank's model-parallel group.",
+    "get_dp_process_group": "torch ProcessGroup of this rank's data-parallel group.",
+    "get_tp_process_group": "torch ProcessGroup of this rank's tensor-parallel group.",
+    "get_pp_process_group": "torch ProcessGroup of this rank's pipeline group.",
+    "get_rdp_process_group": "torch ProcessGroup of this rank's reduced-data-parallel group.",
+    "get_tp_group": "Global ranks of this rank's tensor-parallel group.",
+    "get_pp_group": "Global ranks of this rank's pipeline (one per stage).",
+    "get_rdp_group": "Global ranks of this rank's reduced-data-parallel group.",
+    "save_checkpoint": "Write `{tag}_partial/` (model, optimizer, fp16 state, user content) and "
+                       "`newest` under a path.",
+    "resume_from_checkpoint": "Load a checkpoint written by save_checkpoint; returns the user "
+                              "content, weights applied at the first step.",
+}
+
+# Instance attributes scripts read that `inspect` cannot see on the class.
+ATTRIBUTES = {
+    "DistributedOptimizer": [
+        ("overflow", "bool: whether the last step overflowed (and was skipped)."),
+        ("optimizer", "the wrapped torch optimizer (its param_groups hold the fp32 masters in "
+                      "fp16 mode; give it to LR schedulers)."),
+    ],
+    "DistributedModel": [("module", "the wrapped module (the FP16_Module in fp16 mode).")],
+}
+
+
+def _default(value) -> str:
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    return repr(value)
+
+
+def signature(obj, *, drop_self: bool = False) -> str:
+    """`(a: int, b=2, *, c=None)` with annotations as written and readable defaults."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return ""
+    parts, star_done = [], False
+    params = list(sig.parameters.values())
+    if drop_self and params and params[0].name in ("self", "cls"):
+        params = params[1:]
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and not star_done:
+            parts.append("*")
+            star_done = True
+        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        star_done |= p.kind is p.VAR_POSITIONAL
+        if p.annotation is not p.empty:
+            ann = p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(
+                p.annotation)
+            text += f": {ann}"
+        if p.default is not p.empty:
+            text += f" = {_default(p.default)}" if p.annotation is not p.empty else \
+                f"={_default(p.default)}"
+        parts.append(text)
+    ret = sig.return_annotation
+    arrow = "" if ret is sig.empty else f" -> {ret if isinstance(ret, str) else inspect.formatannotation(ret)}"
+    return f"({', '.join(parts)}){arrow}"
+
+
+def first_line(obj, name: str) -> str:
+    if not isinstance(obj, (type, types.FunctionType, types.ModuleType, types.BuiltinFunctionType)) \
+            and not callable(obj):
+        doc = ""  # an instance: its class's docstring would describe the class, not the value
+    else:
+        doc = inspect.getdoc(obj) or ""
+    line = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    return line or FALLBACK.get(name, "")
+
+
+def describe(name: str, obj) -> list[str]:
+    if isinstance(obj, enum.Enum):
+        return [f"- `smp.{name}`: `{type(obj).__name__}.{obj.name}` (module alias)."]
+    if isinstance(obj, type) and issubclass(obj, enum.Enum):
+        members = ", ".join(m.name for m in obj)
+        return [f"- `smp.{name}` (enum: {members}): {first_line(obj, name)}"]
+    if isinstance(obj, types.ModuleType):
+        return [f"- `smp.{name}` (module): {first_line(obj, name)}"]
+    if name == "state":
+        return [f"- `smp.state`: the runtime state `smp.init()` fills: `.cfg` (the smp "
+                "parameters, e.g. `smp.state.cfg.fp16`), `.topology`, `.groups`, `.device`, "
+                "`.model`, `.optimizer`."]
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        bases = ", ".join(b.__name__ for b in obj.__bases__)
+        return [f"- `smp.{name}({bases})`: {first_line(obj, name)}"]
+    lines = [f"- `smp.{name}{signature(obj)}`: {first_line(obj, name)}"]
+    if isinstance(obj, type):
+        lines += members(obj)
+    return lines
+
+
+def members(cls: type) -> list[str]:
+    out = []
+    for attr, text in ATTRIBUTES.get(cls.__name__, []):
+        out.append(f"  - `.{attr}`: {text}")
+    for attr, value in vars(cls).items():
+        if attr.startswith("_"):
+            continue
+        if isinstance(value, property):
+            out.append(f"  - `.{attr}` (property): {first_line(value.fget, attr)}")
+        elif callable(value):
+            out.append(f"  - `.{attr}{signature(value, drop_self=True)}`: {first_line(value, attr)}")
+    return out
+
+
+def nn_section() -> list[str]:
+    lines = ["", "`smp.nn` (sizes are global across the tensor-parallel ranks):", ""]
+    for name in smp.nn.__all__:
+        obj = getattr(smp.nn, name)
+        lines.append(f"- `smp.nn.{name}{signature(obj)}`: {first_line(obj, name)}")
+    return lines
+
+
+def render() -> str:
+    exported = list(smp.__all__)
+    grouped = {n for _, names in GROUPS for n in names}
+    lines = ["# Runtime API reference (`smdistributed.modelparallel.torch`)", "",
+             "Generated from `fp16_sdk.modelparallel.torch` by `python3 tools/gen_api_docs.py`; "
+             "do not edit by hand.",
+             "`import smdistributed.modelparallel.torch as smp` resolves to this package. "
+             "Signatures are the runtime's own; the behaviour follows SageMaker's model "
+             "parallelism library v1 (see `docs/architecture.md`).", ""]
+    missing = []
+    for title, names in GROUPS:
+        lines += [f"## {title}", ""]
+        for name in names:
+            if name not in exported:
+                missing.append(name)
+                continue
+            lines += describe(name, getattr(smp, name))
+        if title == "Tensor-parallel modules":
+            lines += nn_section()
+        lines.append("")
+    rest = [n for n in exported if n not in grouped]
+    if rest:
+        lines += ["## Other names", ""]
+        for name in rest:
+            lines += describe(name, getattr(smp, name))
+        lines.append("")
+    if missing:
+        lines += ["## Not provided yet", "",
+                  "Part of the smp v1 API but not exported by this runtime yet; calling them "
+                  "raises AttributeError:", ""]
+        lines += [f"- `smp.{n}`: {FALLBACK.get(n, '')}" for n in missing]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compare with the committed page")
+    args = p.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is out of date: run python3 tools/gen_api_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
