@@ -24,7 +24,7 @@ from fp16_sdk.backends.local_common import local_path  # noqa: E402
 from fp16_sdk.packaging import safe_extract  # noqa: E402
 from fp16_sdk.pytorch import PyTorch  # noqa: E402
 
-# The runtime prints `step N loss X loss_scale S skipped K tokens/s T` on rank 0.
+# train_gpt.py prints `step N loss X loss_scale S skipped K tokens/s T` on rank 0.
 METRIC_DEFINITIONS = [
     {"Name": "train:loss", "Regex": r"step \d+ loss ([0-9.eE+-]+)"},
     {"Name": "train:loss_scale", "Regex": r"loss_scale ([0-9.eE+-]+)"},

@@ -551,6 +551,13 @@ class Estimator:
         self._require_job().logs()
 
     @property
+    def training_job_analytics(self):
+        """SageMaker's TrainingJobAnalytics for the latest job, computed from its log lines."""
+        from fp16_sdk.metrics import TrainingJobAnalytics
+        return TrainingJobAnalytics(self._require_job(),
+                                    metric_definitions=self.metric_definitions)
+
+    @property
     def model_data(self) -> str | None:
         """URI of the latest job's model.tar.gz (None until the job has completed)."""
         return self._require_job().model_data

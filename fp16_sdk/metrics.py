@@ -12,8 +12,9 @@ Rules (SageMaker's, where it has one):
 - Every match is one record; its value is capture group 1 (the whole match if the regex has no
   group). A capture that is not a finite number is skipped (CloudWatch stores neither NaN nor
   infinity).
-- `timestamp` is seconds since the first log line when the handle can tell when each line
-  arrived (`log_records()`: (epoch seconds, line) pairs); otherwise None.
+- `timestamp` is seconds since the job started (describe()'s TrainingStartTime; else since the
+  first log line) when the handle can tell when each line arrived (`log_records()`: (epoch
+  seconds, line) pairs); otherwise None.
 
 The table is pandas-free (`MetricsTable`); `TrainingJobAnalytics.dataframe()` returns a pandas
 DataFrame when pandas is installed, else the `MetricsTable`, which offers the same columns
@@ -42,7 +43,7 @@ class MetricRecord:
     """One metric value found in the logs.
 
     Attributes:
-        timestamp: seconds since the first log line (None when arrival times are unknown).
+        timestamp: seconds since the job started (None when arrival times are unknown).
         metric_name: the metric definition's Name.
         value: the captured number.
         host: the host whose log line held it ("algo-1"), None if the line had no prefix.
@@ -148,13 +149,15 @@ def _number(match: re.Match) -> float | None:
 
 
 def parse_metrics(lines: Iterable[str | tuple[float | None, str]],
-                  metric_definitions: Iterable[Mapping[str, str]]) -> MetricsTable:
+                  metric_definitions: Iterable[Mapping[str, str]], *,
+                  start_time: float | None = None) -> MetricsTable:
     """Apply `metric_definitions` to log lines.
 
     Args:
         lines: log lines ("algo-N | message" or bare messages), or (epoch seconds, line)
             pairs when arrival times are known.
         metric_definitions: [{"Name": ..., "Regex": ...}], as given to the estimator.
+        start_time: epoch seconds timestamps count from (default: the first timed line).
 
     Returns:
         The records in log order (within a line, in definition order, then match order).
@@ -163,7 +166,7 @@ def parse_metrics(lines: Iterable[str | tuple[float | None, str]],
         ConfigError: an entry that is not {"Name": str, "Regex": str} or a bad regex.
     """
     patterns = _compiled(metric_definitions)
-    records, start = [], None
+    records, start = [], start_time
     for item in lines:
         when, line = item if isinstance(item, tuple) else (None, item)
         if when is not None and start is None:
@@ -202,8 +205,11 @@ def job_metrics(job: Any, metric_definitions: Iterable[Mapping[str, str]] | None
     """
     definitions = _definitions_of(job) if metric_definitions is None else list(metric_definitions)
     records = getattr(job, "log_records", None)
-    lines = records() if callable(records) else job.log_lines()
-    return parse_metrics(lines, definitions)
+    if not callable(records):
+        return parse_metrics(job.log_lines(), definitions)
+    started = job.describe().get("TrainingStartTime")
+    start = started.timestamp() if hasattr(started, "timestamp") else None
+    return parse_metrics(records(), definitions, start_time=start)
 
 
 class TrainingJobAnalytics:

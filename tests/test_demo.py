@@ -42,3 +42,22 @@ def test_demo_prints_existing_artifacts_and_loss_falls(tmp_path):
     assert float(m.group(2)) == pytest.approx(sum(history["loss"][-5:]) / 5, abs=1e-3)
     # metric_definitions picked the last logged values out of the job's log.
     assert f"train:loss={round(history['loss'][-1], 4):g}," in proc.stdout
+
+
+def test_progress_line_while_a_step_runs_long(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "train_gpt", REPO / "examples" / "gpt_fp16" / "train_gpt.py")
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    import time
+
+    progress = train_gpt.StepProgress(0.3)
+    progress.begin(7)
+    time.sleep(1.6)  # ~5 periods: a line at 0.3 s, 0.6 s, ... (one per period, not per poll)
+    progress.end()
+    time.sleep(0.6)  # no line once the step is over
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln]
+    assert lines and all(ln.startswith("step 7 still running after ") for ln in lines)
+    assert 2 <= len(lines) <= 6  # at most one line per elapsed period

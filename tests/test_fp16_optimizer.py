@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -18,11 +19,17 @@ from torch import nn
 
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
+from fp16_sdk.modelparallel.torch.fp16.fused_step import fused_kind
 from fp16_sdk.modelparallel.torch.fp16.loss_scaler import DynamicLossScaler
 from fp16_sdk.modelparallel.torch.state import state
 from mp_utils import run_ranks
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The fused step runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1).
+_TRITON = fused_kind(torch.optim.SGD([torch.zeros(1, dtype=torch.float16,
+                                                  device=DEVICES[-1])], lr=0.1)) is not None
+FUSED_DEVICES = [d for d in DEVICES if _TRITON and (d == "cuda" or os.environ.get(
+    "TRITON_INTERPRET") == "1")]
 SEED_ARGS = {"scale_window": 1000, "min_scale": 1, "delayed_shift": 2}
 
 
@@ -276,6 +283,103 @@ def test_health_log_every_interval(start, monkeypatch, caplog):
             opt.step()
     lines = [r.getMessage() for r in caplog.records if r.name == "smp.fp16"]
     assert len(lines) == 2 and "loss scale" in lines[0] and "skipped steps" in lines[0]
+
+
+# ---- the fused step (fp16/fused_step.py) against torch's optimizers ------------------------
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True,
+                                               weight_decay=0.01),
+    "sgd_dampened": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, dampening=0.3),
+}
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_step_matches_torch_optimizer(start, device, name):
+    """Masters, state and norms track torch's optimizer on fp32 copies fed the unscaled fp16
+    grads (clipped on odd steps), under an LR schedule; fp16 params = masters rounded."""
+    dev = start({"fp16": True}, device)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(TinyGPT())
+    opt = smp.DistributedOptimizer(OPTIMIZERS[name](model.parameters()),
+                                   dynamic_loss_scale=True, init_scale=2**10)
+    assert opt._fused is not None and all(b.master_grad is None for b in opt._masters.buckets)
+    params = list(model.parameters())
+    masters = [opt._masters.model_to_master[id(p)] for p in params]
+    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    ref_opt = OPTIMIZERS[name](ref)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in (opt.optimizer, ref_opt)]
+    for i, (x, y) in enumerate(batches(5)):
+        opt.zero_grad()
+        train_step(model, x.to(dev), y.to(dev))
+        for r, p in zip(ref, params):
+            r.grad = p.grad.float() / opt.loss_scale
+        full = float(torch.linalg.vector_norm(torch.cat([r.grad.reshape(-1) for r in ref])))
+        max_norm = full / 2 if i % 2 else 1e6
+        want = float(torch.nn.utils.clip_grad_norm_(ref, max_norm))
+        assert opt.clip_master_grads(max_norm) == pytest.approx(want, rel=1e-5)
+        opt.step()
+        ref_opt.step()
+        for sched in scheds:
+            sched.step()
+        assert not opt.overflow
+        for m, r, p in zip(masters, ref, params):
+            torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=2e-6)
+            assert torch.equal(p.detach(), m.detach().half())
+    for m, r in zip(masters, ref):
+        for key, value in ref_opt.state[r].items():
+            got = opt.optimizer.state[m][key]
+            torch.testing.assert_close(got.float().cpu(), value.float().cpu(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_fused_state_dict_round_trip(start, device):
+    """state_dict() of the fused path's flat state reloads exactly (state copied back in)."""
+    dev = start({"fp16": True}, device)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(TinyGPT())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   dynamic_loss_scale=True, init_scale=2**10)
+    data = [(x.to(dev), y.to(dev)) for x, y in batches(3)]
+
+    def steps(items):
+        for x, y in items:
+            opt.zero_grad()
+            train_step(model, x, y)
+            opt.clip_master_grads(1.0)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    steps(data[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    after = steps(data)
+    opt.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(after, steps(data)))
+    assert opt._fused is not None
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_dp1_reducer_keeps_grads_in_place(start, fp16):
+    """dp = 1: no bucket buffers; 2 microbatches give the full-batch mean's gradient."""
+    dev = start({"fp16": fp16, "microbatches": 2})
+    torch.manual_seed(0)
+    base = TinyGPT()
+    reference = copy.deepcopy(base)
+    model = smp.DistributedModel(base)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(b.buffer is None for b in model._reducer.buckets)
+    x, y = batches(1, batch=8)[0]
+    opt.zero_grad()
+    train_step(model, x.to(dev), y.to(dev))
+    if fp16:  # the gradients stayed in the optimizer's flat buffer
+        bucket, = opt._masters.buckets
+        assert all(p.grad is v for p, v in zip(bucket.params, bucket.grad_views))
+        return
+    lm_loss(reference(x), y).backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
 
 
 # ---- data parallel on 2 Gloo ranks ---------------------------------------------------------

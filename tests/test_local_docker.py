@@ -218,6 +218,7 @@ def test_smp_fp16_data_parallel_across_two_containers(client, tmp_path):
     assert _leftovers(client, name) == []
 
 
+@pytest.mark.docker
 def test_slower_second_host_completes_with_both_outputs(client, tmp_path, capsys):
     script = """
         import os, time
@@ -245,6 +246,7 @@ def test_slower_second_host_completes_with_both_outputs(client, tmp_path, capsys
     assert _leftovers(client, name) == []
 
 
+@pytest.mark.docker
 def test_failing_host_stops_the_others_and_is_named(client, tmp_path):
     script = """
         import os, sys, time
@@ -266,6 +268,7 @@ def test_failing_host_stops_the_others_and_is_named(client, tmp_path):
     assert not (tmp_path / "out" / name / "hosts").exists()
 
 
+@pytest.mark.docker
 def test_killed_container_fails_the_job_within_60_s(client, tmp_path):
     script = """
         import time
@@ -287,6 +290,7 @@ def test_killed_container_fails_the_job_within_60_s(client, tmp_path):
     assert _leftovers(client, name) == []
 
 
+@pytest.mark.docker
 def test_ctrl_c_in_wait_stops_and_removes_everything(client, tmp_path):
     est = _estimator(tmp_path, 'import time\nprint("ready", flush=True)\ntime.sleep(300)\n')
     name = _job_name()
@@ -300,6 +304,29 @@ def test_ctrl_c_in_wait_stops_and_removes_everything(client, tmp_path):
     assert _leftovers(client, name) == []
 
 
+@pytest.mark.docker
+def test_python_exiting_with_a_running_job_removes_it(client, tmp_path):
+    """wait=False, then the interpreter exits: the containers must not outlive it."""
+    import subprocess
+    import sys
+    name = _job_name()
+    _estimator(tmp_path, "import time\ntime.sleep(300)\n")  # writes src/train.py
+    program = textwrap.dedent(f"""
+        from fp16_sdk.pytorch import PyTorch
+        est = PyTorch(entry_point="train.py", source_dir={str(tmp_path / "src")!r},
+                      framework_version="2.13.0", py_version="py311", instance_count=2,
+                      instance_type="local", output_path={f"file://{tmp_path}/out"!r})
+        est.fit(wait=False, job_name={name!r})
+        assert est.latest_training_job.status.value == "InProgress"
+    """)
+    repo = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": repo})
+    assert _leftovers(client, name) == []
+    assert not (tmp_path / "out" / name / "hosts").exists()
+
+
+@pytest.mark.docker
 def test_credentials_passed_when_asked_never_written_or_logged(client, tmp_path, capsys,
                                                                monkeypatch):
     secret = f"fakeSecret{uuid.uuid4().hex}"
@@ -345,6 +372,7 @@ def _written_files(tmp_path: Path, since: float):
             continue
 
 
+@pytest.mark.docker
 def test_channels_read_only_sharded_and_checkpoints_persist(client, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -398,6 +426,7 @@ def _spec(tmp_path: Path, **overrides) -> JobSpec:
     return JobSpec(**fields)
 
 
+@pytest.mark.docker
 def test_local_gpu_container_configuration_on_the_engine(client, tmp_path):
     spec = _spec(tmp_path, instance_type="local_gpu", processes_per_host=2,
                  backend_options={"shm_size": "2g"}, environment={"MY_FLAG": "1"})
@@ -427,6 +456,7 @@ def test_local_gpu_container_configuration_on_the_engine(client, tmp_path):
     assert _leftovers(client, spec.job_name) == []
 
 
+@pytest.mark.docker
 def test_local_gpu_without_nvidia_runtime_fails_before_creating(client, tmp_path):
     if "nvidia" in (client.info().get("Runtimes") or {}):
         pytest.skip("this engine has the NVIDIA runtime")
@@ -436,6 +466,7 @@ def test_local_gpu_without_nvidia_runtime_fails_before_creating(client, tmp_path
     assert _leftovers(client, spec.job_name) == []
 
 
+@pytest.mark.docker
 def test_missing_image_and_name_clash_fail_before_creating(client, tmp_path):
     spec = _spec(tmp_path, image_uri="fp16-sdk-training:no-such-tag")
     with pytest.raises(ImageNotFoundError, match="docker pull fp16-sdk-training:no-such-tag"):

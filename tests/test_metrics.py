@@ -7,6 +7,7 @@ whose script prints known values and checks the table read back from its logs.
 from __future__ import annotations
 
 import csv
+import datetime
 import textwrap
 
 import pytest
@@ -81,6 +82,7 @@ def test_timestamps_are_seconds_since_first_line():
     table = parse_metrics(lines, DEFS[:1])
     assert table["timestamp"] == [2.5, 10.0]
     assert table["host"] == ["algo-1", "algo-2"]
+    assert parse_metrics(lines, DEFS[:1], start_time=990.0)["timestamp"] == [12.5, 20.0]
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -119,7 +121,8 @@ class _Handle:
         return list(self._records)
 
     def describe(self):
-        return {"AlgorithmSpecification": {"MetricDefinitions": DEFS}}
+        return {"AlgorithmSpecification": {"MetricDefinitions": DEFS},
+                "TrainingStartTime": datetime.datetime.fromtimestamp(4.0, datetime.timezone.utc)}
 
 
 def test_analytics_reads_definitions_from_describe_and_filters_names():
@@ -127,8 +130,8 @@ def test_analytics_reads_definitions_from_describe_and_filters_names():
     analytics = TrainingJobAnalytics(job, metric_names=["train:loss_scale"])
     assert analytics.name == "job-1"
     assert analytics.table().to_rows() == [
-        {"timestamp": 0.0, "metric_name": "train:loss_scale", "value": 65536.0},
-        {"timestamp": 4.0, "metric_name": "train:loss_scale", "value": 32768.0}]
+        {"timestamp": 1.0, "metric_name": "train:loss_scale", "value": 65536.0},
+        {"timestamp": 5.0, "metric_name": "train:loss_scale", "value": 32768.0}]
     job._records.append((12.0, "algo-1 | loss 1.0 loss_scale 16384"))
     assert len(analytics.table()) == 2  # cached
     assert analytics.table(force_refresh=True).series("train:loss_scale")[-1] == 16384.0
@@ -169,3 +172,12 @@ def test_real_local_process_job_metrics(tmp_path):
     assert TrainingJobAnalytics(job).table().to_rows() == table.to_rows()
     assert {m["MetricName"]: m["Value"] for m in job.describe()["FinalMetricDataList"]} == {
         "train:loss": 1.25, "train:loss_scale": 8192.0}
+
+
+def test_metrics_module_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, fp16_sdk.metrics; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

@@ -71,6 +71,21 @@ FALLBACK = {
                               "content, weights applied at the first step.",
 }
 
+# Methods without a docstring of their own (an inherited nn.Module docstring would mislead).
+METHOD_FALLBACK = {
+    "DistributedModel.forward": "Run the model; only inside an @smp.step function.",
+    "DistributedModel.local_named_parameters": "(name, parameter) pairs held by this rank.",
+    "DistributedModel.local_parameters": "The parameters held by this rank.",
+    "DistributedModel.local_named_buffers": "(name, buffer) pairs held by this rank.",
+    "DistributedModel.local_buffers": "The buffers held by this rank.",
+    "DistributedModel.local_named_modules": "(name, module) pairs placed on this rank's stage.",
+    "DistributedModel.local_modules": "The modules placed on this rank's stage.",
+    "DistributedModel.is_distributed_buffer": "A tensor-parallel shard of a buffer.",
+    "DistributedModel.is_scaled_batch_buffer": "A buffer of a distributed module (it sees the "
+                                               "TP group's batch).",
+    "DistributedOptimizer.mixed_precision": "True when fp32 master copies of the half-precision parameters are kept (fp16).",
+}
+
 # Instance attributes scripts read that `inspect` cannot see on the class.
 ATTRIBUTES = {
     "DistributedOptimizer": [
@@ -133,8 +148,8 @@ def describe(name: str, obj) -> list[str]:
     if isinstance(obj, enum.Enum):
         return [f"- `smp.{name}`: `{type(obj).__name__}.{obj.name}` (module alias)."]
     if isinstance(obj, type) and issubclass(obj, enum.Enum):
-        members = ", ".join(m.name for m in obj)
-        return [f"- `smp.{name}` (enum: {members}): {first_line(obj, name)}"]
+        names = ", ".join(m.name for m in obj)
+        return [f"- `smp.{name}` (enum: {names}): {first_line(obj, name)}"]
     if isinstance(obj, types.ModuleType):
         return [f"- `smp.{name}` (module): {first_line(obj, name)}"]
     if name == "state":
@@ -146,11 +161,17 @@ def describe(name: str, obj) -> list[str]:
         return [f"- `smp.{name}({bases})`: {first_line(obj, name)}"]
     lines = [f"- `smp.{name}{signature(obj)}`: {first_line(obj, name)}"]
     if isinstance(obj, type):
-        lines += members(obj)
+        lines += class_members(obj)
     return lines
 
 
-def members(cls: type) -> list[str]:
+def method_line(cls: type, attr: str, func) -> str:
+    own = (getattr(func, "__doc__", None) or "").strip()
+    line = inspect.cleandoc(own).split("\n\n")[0].replace("\n", " ") if own else ""
+    return line or METHOD_FALLBACK.get(f"{cls.__name__}.{attr}", "")
+
+
+def class_members(cls: type) -> list[str]:
     out = []
     for attr, text in ATTRIBUTES.get(cls.__name__, []):
         out.append(f"  - `.{attr}`: {text}")
@@ -158,9 +179,10 @@ def members(cls: type) -> list[str]:
         if attr.startswith("_"):
             continue
         if isinstance(value, property):
-            out.append(f"  - `.{attr}` (property): {first_line(value.fget, attr)}")
+            out.append(f"  - `.{attr}` (property): {method_line(cls, attr, value.fget)}")
         elif callable(value):
-            out.append(f"  - `.{attr}{signature(value, drop_self=True)}`: {first_line(value, attr)}")
+            out.append(f"  - `.{attr}{signature(value, drop_self=True)}`: "
+                       f"{method_line(cls, attr, value)}")
     return out
 
 

@@ -10,6 +10,7 @@ estimator's metric_definitions pick them up.
 import argparse
 import json
 import os
+import threading
 import time
 
 import torch
@@ -35,6 +36,8 @@ def parse_args():
     # first steps are not all skipped while the scale falls from 2**32.
     p.add_argument("--init_scale", type=float, default=2.0**32)
     p.add_argument("--scale_window", type=int, default=1000)
+    p.add_argument("--progress_every_s", type=float, default=30.0,
+                   help="print a progress line while one step runs longer than this (0: off)")
     p.add_argument("--mp_parameters", type=str, default="")  # SageMaker passes it; smp reads env
     return p.parse_args()
 
@@ -49,6 +52,44 @@ def load_tokens(seq_len):
     starts = torch.randint(0, 256, (512, 1), generator=g)
     steps = torch.randint(1, 4, (512, 1), generator=g)
     return (starts + steps * torch.arange(seq_len + 1)) % 256
+
+
+class StepProgress:
+    """Prints `step N still running after T s` while a single step runs long (rank 0 only).
+
+    The step log comes every --log_every steps; on a big model one step can take minutes, and
+    this line shows the job is alive in between.
+    """
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self._current = None  # (step, start time) of the running step
+        self._lock = threading.Lock()
+        if every_s > 0:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def begin(self, step: int) -> None:
+        with self._lock:
+            self._current = (step, time.time())
+
+    def end(self) -> None:
+        with self._lock:
+            self._current = None
+
+    def _watch(self) -> None:
+        reported = None  # (step, seconds) last printed
+        while True:
+            time.sleep(min(1.0, self.every_s))
+            with self._lock:
+                current = self._current
+            if current is None:
+                continue
+            step, start = current
+            elapsed = time.time() - start
+            due = int(elapsed // self.every_s) * self.every_s
+            if due > 0 and reported != (step, due):
+                print(f"step {step} still running after {elapsed:.0f}s", flush=True)
+                reported = (step, due)
 
 
 def checkpoint_dir():
@@ -112,7 +153,9 @@ def main():
     shard = smp.rdp_rank() if smp.state.cfg.prescaled_batch else smp.dp_rank()
     nshards = smp.rdp_size() if smp.state.cfg.prescaled_batch else smp.dp_size()
     skipped, t0, tokens_seen = 0, time.time(), 0
+    progress = StepProgress(args.progress_every_s if smp.rank() == 0 else 0)
     for step in range(start_step, args.steps):
+        progress.begin(step + 1)
         g = torch.Generator().manual_seed(args.seed + step)
         rows = torch.randint(0, tokens.size(0), (args.batch_size * nshards,), generator=g)
         batch = tokens[rows].view(nshards, args.batch_size, -1)[shard].to(device)
@@ -122,6 +165,7 @@ def main():
         if fp16:
             optimizer.clip_master_grads(args.max_grad_norm)
         optimizer.step()
+        progress.end()
         overflow = bool(fp16 and optimizer.overflow)
         if not overflow:
             scheduler.step()

@@ -142,6 +142,15 @@ class JobHandle(abc.ABC):
         """Every log line seen so far, host prefix included (used for metric_definitions)."""
         return []
 
+    def log_records(self) -> list[tuple[float | None, str]]:
+        """(arrival time or None, line) for every log line seen so far."""
+        return [(None, line) for line in self.log_lines()]
+
+    def metrics(self):
+        """Every metric_definitions match in this job's logs so far, as a MetricsTable."""
+        from fp16_sdk.metrics import job_metrics
+        return job_metrics(self)
+
 
 class Backend(abc.ABC):
     """Where jobs run. One instance per estimator session."""

@@ -234,12 +234,5 @@ def remove_hosts(spec: JobSpec) -> None:
 
 def final_metrics(lines: Iterable[str], metric_definitions) -> list[dict]:
     """FinalMetricDataList: the last value each metric's Regex captured in the logs."""
-    found: dict[str, float] = {}
-    for line in lines:
-        for md in metric_definitions:
-            for m in re.finditer(md["Regex"], line):
-                try:
-                    found[md["Name"]] = float(m.group(1) if m.groups() else m.group(0))
-                except ValueError:
-                    pass
-    return [{"MetricName": k, "Value": v} for k, v in found.items()]
+    from fp16_sdk.metrics import parse_metrics
+    return parse_metrics(list(lines), metric_definitions).final()

@@ -13,7 +13,6 @@ exit go through the same path.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import datetime
 import logging
 import os
@@ -79,8 +78,7 @@ class DockerJob(JobHandle):
         self._start_time = _now()
         _LIVE.add(self)
         try:
-            with concurrent.futures.ThreadPoolExecutor(len(self.containers)) as pool:
-                list(pool.map(lambda c: c.start(), self.containers.values()))
+            _parallel(lambda c: c.start(), self.containers.values(), swallow=False)
         except BaseException:
             self.discard()
             raise
@@ -149,12 +147,14 @@ class DockerJob(JobHandle):
             self._failure = self._failure or ("", None, f"supervisor error: {exc}")
             self._status = JobStatus.FAILED
         finally:
-            self._remove_engine_resources()
-            self._end_time = self._end_time or _now()
-            self._done.set()
-            _LIVE.discard(self)
-            with self._cond:
-                self._cond.notify_all()
+            try:
+                self._remove_engine_resources()
+            finally:
+                self._end_time = self._end_time or _now()
+                self._done.set()
+                _LIVE.discard(self)
+                with self._cond:
+                    self._cond.notify_all()
 
     def _finish(self, exits: dict[str, tuple[int | None, str]]) -> None:
         """All hosts have exited: collect artifacts, settle the status, clean up."""
@@ -187,35 +187,21 @@ class DockerJob(JobHandle):
     # ---- stopping and cleaning ---------------------------------------------------------
 
     def _stop_all(self, *, wait: bool) -> None:
-        def stop(container: Any) -> None:
-            try:
-                container.stop(timeout=self._stop_timeout)
-            except Exception:  # already gone
-                pass
-        threads = [threading.Thread(target=stop, args=(c,), daemon=True)
-                   for c in self.containers.values()]
-        for t in threads:
-            t.start()
-        for t in threads if wait else ():
-            t.join()
+        _parallel(lambda c: c.stop(timeout=self._stop_timeout), self.containers.values(),
+                  wait=wait)
 
     def _remove_engine_resources(self) -> None:
         """Remove the job's containers and network: the ones we hold and any other resource
         that carries the job's label (a creation that failed half way)."""
         def remove(container: Any) -> None:
-            try:
-                container.remove(force=True)
-            except Exception:  # already removed
-                pass
+            container.remove(force=True)
         labelled = {"label": f"{LABEL_JOB}={self.name}"}
         try:
             containers = {c.id: c for c in self._client.containers.list(all=True, filters=labelled)}
         except Exception:
             containers = {}
         containers.update((c.id, c) for c in self.containers.values())
-        if containers:
-            with concurrent.futures.ThreadPoolExecutor(len(containers)) as pool:
-                list(pool.map(remove, containers.values()))
+        _parallel(remove, containers.values())
         try:
             networks = self._client.networks.list(filters=labelled)
         except Exception:
@@ -339,6 +325,26 @@ class DockerJob(JobHandle):
             out["FinalMetricDataList"] = lc.final_metrics(self.log_lines(),
                                                           spec.metric_definitions)
         return out
+
+
+def _parallel(fn, items, *, wait: bool = True, swallow: bool = True) -> None:
+    """fn(item) for every item, each in its own thread (plain threads: they still work while
+    the interpreter shuts down, unlike an executor). Errors are swallowed (`swallow`: the
+    resource is already gone) or the first one is raised after all have finished."""
+    errors: list[BaseException] = []
+
+    def call(item: Any) -> None:
+        try:
+            fn(item)
+        except Exception as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=call, args=(item,), daemon=True) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads if wait else ():
+        t.join()
+    if errors and not swallow and wait:
+        raise errors[0]
 
 
 def _owned_by_other(root: Path, uid: int) -> bool:

@@ -111,6 +111,7 @@ class LocalProcessJob(JobHandle):
         self._trees: list[lc.HostTree] = []
         self._readers: list[threading.Thread] = []
         self._lines: list[str] = []
+        self._times: list[float] = []  # arrival time of each line (metrics timestamps)
         self._cond = threading.Condition()
         self._status = JobStatus.IN_PROGRESS
         self._stop_requested = threading.Event()
@@ -166,6 +167,7 @@ class LocalProcessJob(JobHandle):
             line = f"{host} | {raw.decode(errors='replace').rstrip()}"
             with self._cond:
                 self._lines.append(line)
+                self._times.append(time.time())
                 self._cond.notify_all()
         proc.stdout.close()
 
@@ -294,6 +296,10 @@ class LocalProcessJob(JobHandle):
     def log_lines(self) -> list[str]:
         with self._cond:
             return list(self._lines)
+
+    def log_records(self) -> list[tuple[float, str]]:
+        with self._cond:
+            return list(zip(self._times, self._lines))
 
     @property
     def status(self) -> JobStatus:

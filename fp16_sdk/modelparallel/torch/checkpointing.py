@@ -28,20 +28,16 @@ SIGKILL it between files.
 
 from __future__ import annotations
 
-import fnmatch
-import hashlib
-import io
-import json
 import logging
 import os
 import random
-import shutil
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
+from . import checkpoint_files as files
+from .checkpoint_files import MANIFEST, NEWEST, PLAN, IncompleteCheckpointError
 from .errors import CheckpointError
 from .state import state
 
@@ -50,101 +46,7 @@ __all__ = ["save_checkpoint", "resume_from_checkpoint", "IncompleteCheckpointErr
 
 log = logging.getLogger("smp.checkpoint")
 
-NEWEST, PLAN, MANIFEST = "newest", ".plan.json", ".complete.json"
-_PAUSE_ENV = "FP16_SDK_CKPT_TEST_PAUSE_AFTER"
 _FP16_KEYS = ("fp32_from_fp16_params", "loss_scaler", "dynamic_loss_scale", "overflow")
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """A checkpoint whose save did not finish, or whose files do not match its manifest."""
-
-
-# ---- files: atomic writes and hashes ----------------------------------------------------------
-class _HashingWriter(io.RawIOBase):
-    """Passes bytes to a file while hashing and counting them (torch.save writes through it)."""
-
-    def __init__(self, f):
-        super().__init__()
-        self._f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self._f.write(data)
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(target: str, write) -> dict:
-    """Write through `write(fileobj)` into a temporary file next to `target`, fsync, rename.
-
-    Returns:
-        {"size": bytes, "sha256": hex digest} of what was written.
-    """
-    folder, name = os.path.split(target)
-    tmp = os.path.join(folder, f".{name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            write(writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(folder)
-    _maybe_pause(os.path.join(os.path.basename(folder), name))
-    return {"size": writer.size, "sha256": writer.sha.hexdigest()}
-
-
-def _save_torch(obj, target: str) -> dict:
-    return _atomic_write(target, lambda f: torch.save(obj, f))
-
-
-def _save_json(obj, target: str) -> dict:
-    data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    return _atomic_write(target, lambda f: f.write(data))
-
-
-def _maybe_pause(name: str) -> None:
-    """The test hook; `name` is "<folder>/<file>", the pattern may match it or the file."""
-    pattern = os.environ.get(_PAUSE_ENV)
-    if pattern and (fnmatch.fnmatch(name, pattern) or fnmatch.fnmatch(os.path.basename(name),
-                                                                      pattern)):
-        print(f"[smp checkpoint test hook] wrote {name}; pausing for the test to kill me",
-              file=sys.stderr, flush=True)
-        time.sleep(3600)
-
-
-def _sha256(path: str) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
-def _load(path: str):
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 # ---- who writes what --------------------------------------------------------------------------
@@ -160,17 +62,17 @@ def _sharded() -> bool:
 def _rank_files(rank: int, *, model: bool, optimizer, fp16: bool) -> list[str]:
     """The partial-checkpoint files global rank `rank` writes (and, with one layout, reads)."""
     pp, tp, rdp = _coords(rank)
-    files = [f"rng_states_{pp}_{tp}_{rdp}.pt"]
+    names = [f"rng_states_{pp}_{tp}_{rdp}.pt"]
     if model and rdp == 0:
-        files.append(f"model_{pp}_{tp}.pt")
+        names.append(f"model_{pp}_{tp}.pt")
     if optimizer and (rdp == 0 or _sharded()):
         info = f"{pp}_{tp}_{rdp}" if _sharded() else f"{pp}_{tp}"
-        files.append(f"optimizer_{info}.pt")
+        names.append(f"optimizer_{info}.pt")
         if fp16:
-            files.append(f"fp16_states_{info}.pt")
+            names.append(f"fp16_states_{info}.pt")
     if rank == 0:
-        files.append("smp_config.pt")
-    return files
+        names.append("smp_config.pt")
+    return names
 
 
 def _optimizer_is_half(optimizer) -> bool:
@@ -231,13 +133,15 @@ def _barrier() -> None:
         dist.barrier(group=state.groups.world)
 
 
-def _agree(problem: str | None, error=CheckpointError) -> None:
-    """Raise the same error on every rank when any rank found a problem (no rank hangs)."""
-    problems = [(r, p) for r, p in enumerate(_allgather(problem)) if p]
-    if problems:
-        rank, first = problems[0]
-        more = f" (and {len(problems) - 1} other rank(s))" if len(problems) > 1 else ""
-        raise error(f"rank {rank}{more}: {first}")
+def _agree(problem) -> None:
+    """Raise on every rank when any rank found a problem (a str or a CheckpointError), so no
+    rank goes on alone into a collective; the error keeps the first failing rank's type."""
+    found = [(r, p) for r, p in enumerate(_allgather(problem)) if p]
+    if found:
+        rank, first = found[0]
+        kind = type(first) if isinstance(first, CheckpointError) else CheckpointError
+        more = f" (and {len(found) - 1} other rank(s))" if len(found) > 1 else ""
+        raise kind(f"rank {rank}{more}: {first}")
 
 
 def _check_objects(path, tag, model, optimizer) -> None:
@@ -308,11 +212,11 @@ def _save_partial(path, tag, model, optimizer, user_content, keep) -> None:
         for stale in (MANIFEST, PLAN):  # re-saving a tag: uncommit it before touching files
             if os.path.exists(os.path.join(folder, stale)):
                 os.unlink(os.path.join(folder, stale))
-        _fsync_dir(folder)
+        files.fsync_dir(folder)
         expected = [f for r in range(state.topology.world_size) for f in _rank_files(r, **kinds)]
         if user_content is not None:
             expected.append("user_content.pt")
-        _save_json({"tag": tag, "files": sorted(set(expected)), **_config_record()},
+        files.save_json({"tag": tag, "files": sorted(set(expected)), **_config_record()},
                    os.path.join(folder, PLAN))
     _barrier()
     written, problem = {}, None
@@ -325,12 +229,12 @@ def _save_partial(path, tag, model, optimizer, user_content, keep) -> None:
     for part in _allgather(written):
         records.update(part)
     if state.rank == 0:
-        plan = _read_json(os.path.join(folder, PLAN))
+        plan = files.read_json(os.path.join(folder, PLAN))
         missing = sorted(set(plan["files"]) - set(records))
         assert not missing, f"ranks did not write {missing}"  # _rank_files is the one source
-        _save_json({"tag": tag, "files": records, **_config_record()},
+        files.save_json({"tag": tag, "files": records, **_config_record()},
                    os.path.join(folder, MANIFEST))
-        _update_newest(path, f"{tag}_partial", keep)
+        files.update_newest(path, f"{tag}_partial", keep)
     _barrier()
 
 
@@ -339,7 +243,7 @@ def _write_rank_files(folder, model, optimizer, fp16, user_content) -> dict:
     out = {}
 
     def put(name, obj):
-        out[name] = _save_torch(obj, os.path.join(folder, name))
+        out[name] = files.save_torch(obj, os.path.join(folder, name))
 
     names = _rank_files(state.rank, model=model is not None, optimizer=optimizer is not None,
                         fp16=fp16)
@@ -359,25 +263,6 @@ def _write_rank_files(folder, model, optimizer, fp16, user_content) -> dict:
     return out
 
 
-def _read_newest(path: str) -> list[str]:
-    try:
-        with open(os.path.join(path, NEWEST)) as f:
-            return [line.strip() for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def _update_newest(path: str, entry: str, keep: int | None) -> None:
-    """Append `entry` to `newest` (atomically), then delete checkpoints beyond `keep`."""
-    entries = [e for e in _read_newest(path) if e != entry] + [entry]
-    pruned = entries[:-keep] if keep else []
-    entries = entries[len(pruned):]
-    _atomic_write(os.path.join(path, NEWEST), lambda f: f.write(
-        "".join(f"{e}\n" for e in entries).encode()))
-    for old in pruned:  # after newest moved: a crash here leaves only unlisted folders
-        shutil.rmtree(os.path.join(path, old), ignore_errors=True)
-
-
 def _save_full(path, tag, model, user_content, translate) -> None:
     if model is None:
         raise CheckpointError("save_checkpoint(partial=False) saves the full model: pass "
@@ -388,8 +273,8 @@ def _save_full(path, tag, model, user_content, translate) -> None:
     if state.rank == 0:
         os.makedirs(path, exist_ok=True)
         if user_content is not None:  # first: the model file's rename commits the checkpoint
-            _save_torch(user_content, os.path.join(path, f"user_content_{tag}"))
-        _save_torch(full, os.path.join(path, tag))
+            files.save_torch(user_content, os.path.join(path, f"user_content_{tag}"))
+        files.save_torch(full, os.path.join(path, tag))
     _barrier()
 
 
@@ -438,27 +323,25 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     try:
         manifest = _verify_partial(folder)
     except CheckpointError as exc:
-        manifest, problem = None, (type(exc), str(exc))
-    problems = [p for p in _allgather(problem) if p]
-    if problems:
-        raise problems[0][0](problems[0][1])
-    files = set(manifest["files"])
+        manifest, problem = None, exc
+    _agree(problem)
+    records = manifest["files"]
     rng_name = "rng_states_{}_{}_{}.pt".format(*_coords())
-    if rng_name in files and manifest["world_size"] == state.topology.world_size:
-        _set_rng_state(_load(os.path.join(folder, rng_name)))
+    if rng_name in records and manifest["world_size"] == state.topology.world_size:
+        _set_rng_state(files.load(os.path.join(folder, rng_name)))
     elif state.rank == 0:
         log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
                     "restored", folder, manifest["world_size"], state.topology.world_size)
-    pending = _read_partial(folder, files, load_optimizer)
+    pending = _read_partial(folder, records, load_optimizer)
     _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
                                                                      strict, load_optimizer))
     user = os.path.join(folder, "user_content.pt")
-    return _load(user) if "user_content.pt" in files else None
+    return files.load(user) if "user_content.pt" in records else None
 
 
 def _partial_folder(path: str, tag) -> str:
     if tag is None:
-        entries = _read_newest(path)
+        entries = files.read_newest(path)
         if not entries:
             raise CheckpointError(f"no {os.path.join(path, NEWEST)!r}: there is no partial "
                                   f"checkpoint to resume in {path!r}; pass tag=... or check the "
@@ -470,21 +353,8 @@ def _partial_folder(path: str, tag) -> str:
 
 
 def _verify_partial(folder: str) -> dict:
-    """The manifest, after checking it is complete and this rank's files match it."""
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
-    manifest = _read_json(os.path.join(folder, MANIFEST))
-    if manifest is None:
-        plan = _read_json(os.path.join(folder, PLAN))
-        if plan is None:
-            raise IncompleteCheckpointError(
-                f"checkpoint {folder!r} is incomplete: it has neither {MANIFEST} nor {PLAN} "
-                f"(its save stopped before writing anything); resume an older tag")
-        missing = sorted(f for f in plan["files"] if not os.path.exists(os.path.join(folder, f)))
-        raise IncompleteCheckpointError(
-            f"checkpoint {folder!r} is incomplete: its save did not finish ({MANIFEST} is "
-            f"missing); missing files: {missing or 'none, but the save was not committed'}; "
-            f"resume an older tag (the 'newest' file still names the last complete one)")
+    """The manifest, after checking it is committed, of this layout, and this rank's files."""
+    manifest = files.read_manifest(folder)
     topo = state.topology
     if (manifest["pp"], manifest["tp"]) != (topo.pp, topo.tp):
         raise CheckpointError(
@@ -492,40 +362,25 @@ def _verify_partial(folder: str) -> dict:
             f"{manifest['pp']} and tensor_parallel_degree {manifest['tp']}, this job has "
             f"{topo.pp} and {topo.tp}; use the same degrees, or save and load a full "
             f"checkpoint (partial=False), which loads into any layout")
-    return manifest | {"files": _check_rank_files(folder, manifest)}
+    files.check_files(folder, manifest["files"], _read_names(manifest["files"]))
+    return manifest
 
 
-def _read_names(files) -> list[str]:
+def _read_names(records) -> list[str]:
     """The files this rank loads: its (pp, tp) partition's (with sharding its own rdp's)."""
     pp, tp, rdp = _coords()
     info = f"{pp}_{tp}_{rdp}" if _sharded() else f"{pp}_{tp}"
     names = [f"model_{pp}_{tp}.pt", f"optimizer_{info}.pt", f"fp16_states_{info}.pt",
              "user_content.pt"]
-    return [n for n in names if n in files]
+    return [n for n in names if n in records]
 
 
-def _check_rank_files(folder: str, manifest: dict) -> dict:
-    files = manifest["files"]
-    bad = []
-    for name in _read_names(files):
-        full, rec = os.path.join(folder, name), files[name]
-        if not os.path.exists(full):
-            bad.append(f"{name} (missing)")
-        elif os.path.getsize(full) != rec["size"]:
-            bad.append(f"{name} ({os.path.getsize(full)} bytes, manifest says {rec['size']})")
-        elif _sha256(full) != rec["sha256"]:
-            bad.append(f"{name} (sha256 differs from the manifest)")
-    if bad:
-        raise IncompleteCheckpointError(f"checkpoint {folder!r} is damaged: {', '.join(bad)}")
-    return files
-
-
-def _read_partial(folder: str, files, load_optimizer: bool) -> dict:
+def _read_partial(folder: str, records, load_optimizer: bool) -> dict:
     pending = {}
-    for name in _read_names(files):
+    for name in _read_names(records):
         kind = name.split("_")[0]  # model / optimizer / fp16 / user
         if kind in ("model",) or (load_optimizer and kind in ("optimizer", "fp16")):
-            pending[kind] = _load(os.path.join(folder, name))
+            pending[kind] = files.load(os.path.join(folder, name))
     return pending
 
 
@@ -573,7 +428,7 @@ def _resume_full(path: str, tag, strict: bool, translate_function):
         f"full checkpoint {target!r} does not exist (a save with partial=False writes "
         f"<path>/<tag>; partial checkpoints load with partial=True)")
     _agree(problem)
-    sd = _load(target)
+    sd = files.load(target)
     if translate_function is not None:
         sd = translate_function(sd)
     sd = {k: v for k, v in sd.items() if k != "_smp_is_partial"}
@@ -583,4 +438,4 @@ def _resume_full(path: str, tag, strict: bool, translate_function):
         _refresh_masters(optimizer)
     _apply_when_partitioned(apply)
     user = os.path.join(path, f"user_content_{tag}")
-    return _load(user) if os.path.isfile(user) else None
+    return files.load(user) if os.path.isfile(user) else None

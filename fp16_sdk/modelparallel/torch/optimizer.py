@@ -11,28 +11,32 @@ One step in fp16 mode (spec smp-v1-api.md §5), in the order scripts call it:
 The bookkeeping, once per step: one reduction per bucket gives sum |g|^p over the counted
 and the uncounted gradients (non-finite iff some gradient is inf/NaN); [found_inf, counted]
 is all-reduced over the model-parallel group (world with shard_optimizer_state) and read
-back: the step's single host sync. Without overflow the fp16 grads are widened into the fp32
-master grads times 1/scale (times the clip coefficient) in one kernel per bucket.
+back: the step's single host sync. Then one of two paths:
+
+- fused (fp16/fused_step.py; Adam, AdamW or SGD on CUDA with Triton): unscaling is only a
+  number, grad_factor = clip_coeff / scale; step() runs one kernel per bucket that reads the
+  fp16 grad, multiplies it by grad_factor, updates master and state and writes the fp16
+  param (~30 B/param in all with the norm; no fp32 master-grad buffer exists);
+- exact (any other optimizer, CPU, fp32 params among the half ones): the fp16 grads are
+  widened into fp32 master grads times grad_factor in one kernel per bucket, the inner
+  optimizer steps the masters, and one copy per bucket writes master -> fp16.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
 from .errors import SMPConfigError, SMPUnsupportedError
+from .fp16.fused_step import FusedStepper, fused_kind
+from .fp16.health import log_health, log_interval
 from .fp16.loss_scaler import DYNAMIC_LOSS_ARGS, DynamicLossScaler, StaticLossScaler
 from .fp16.master_params import MasterParams
 from .state import state
 
 __all__ = ["DistributedOptimizer"]
-
-_LOG_INTERVAL_ENV = "SMP_LOG_INTERVAL"
-
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap a torch optimizer for the smp runtime.
@@ -69,8 +73,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.scaler = _make_scaler(self.fp16, static_loss_scale, dynamic_loss_scale,
                                    dynamic_loss_args, flat_loss_args)
         self._masters = None
+        self._fused: FusedStepper | None = None
         if self.fp16 or self.bf16:
-            self._masters = MasterParams(optimizer.param_groups, counts=_counts_in_norm)
+            kind = fused_kind(optimizer)
+            self._fused = FusedStepper(kind, optimizer) if kind else None
+            self._masters = MasterParams(optimizer.param_groups, counts=_counts_in_norm,
+                                         master_grads=self._fused is None)
             _remap_state(optimizer, self._masters)
         # The base init only sets up hook dicts here; the groups are then shared, not copied.
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -79,8 +87,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.steps = 0
         self._step_stats: dict | None = None  # this step's agreed norm terms, once computed
-        self._unscaled = False                # grads already unscaled into the masters
-        self._log_interval = _log_interval()
+        self._unscaled = False                # grads already unscaled (grad_factor final)
+        self._grad_factor = 1.0               # fused path: what the kernel multiplies grads by
+        self._log_interval = log_interval()
         self._logged_skips = 0
         self._last_overflow = False
         state.optimizer = self
@@ -108,6 +117,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._masters is not None:
             self._masters.add_group(param_group)
         self.optimizer.add_param_group(param_group)
+        if self._fused is not None and (self._masters.full_precision or not self._fused.supports(
+                self.optimizer.param_groups, self._masters.buckets)):
+            self._use_exact_path()
+
+    def _use_exact_path(self) -> None:
+        """Leave the fused step for good: master-grad buffers, the inner optimizer's step."""
+        self._fused = None
+        self._masters.add_master_grads()
+        if self._unscaled:  # this step's factor is decided: materialise the master grads
+            for bucket in self._masters.buckets:
+                bucket.unscale_into_master(_scalar(self._grad_factor, bucket.master))
 
     # ---- the step ----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -166,8 +186,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._unscale(1.0 / self.loss_scale)
             self.overflow = bool(self._last_overflow)
             if not self.overflow:
-                self.optimizer.step()
-                self._masters.copy_to_model()
+                fused = self._fused
+                if fused is None or not fused.step(self._masters.buckets, self._grad_factor):
+                    if fused is not None:
+                        self._use_exact_path()  # e.g. a loaded state it cannot hold flat
+                    self.optimizer.step()
+                    self._masters.copy_to_model()
             else:
                 self.skipped_steps += 1
             self.scaler.update_scale(self.overflow)
@@ -182,7 +206,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if model is not None and hasattr(model, "_run_post_step_hooks"):
                 model._run_post_step_hooks(self)
         if self._log_interval and self.steps % self._log_interval == 0 and state.rank == 0:
-            _log_health(self)
+            log_health(self)
 
     # ---- bookkeeping -------------------------------------------------------------------
     def _agree_stats(self, norm_type: float) -> dict:
@@ -197,11 +221,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             dist.all_reduce(pair, op=op, group=group)
         found_v, counted_v = pair.tolist()  # the step's host sync
-        scale = 1.0 if self._unscaled else self.loss_scale
         overflow = found_v > 0 and self._masters is not None
         norm = counted_v if math.isinf(norm_type) else counted_v ** (1.0 / norm_type)
+        if not self._unscaled:
+            norm = norm / self.loss_scale
+        elif self._fused is not None:  # sums were over the raw fp16 grads: |f g| = f |g|
+            norm = norm * self._grad_factor
         self._last_overflow = overflow
-        self._step_stats = {"norm_type": norm_type, "overflow": overflow, "norm": norm / scale}
+        self._step_stats = {"norm_type": norm_type, "overflow": overflow, "norm": norm}
         return self._step_stats
 
     def _local_power_sums(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +242,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 uncounted.append(u)
         elif self._masters is not None:
             for bucket in self._masters.buckets:
-                c, u = bucket.grad_power_sums(norm_type, master=True)
+                c, u = bucket.grad_power_sums(norm_type, master=self._fused is None)
                 counted.append(c)
                 uncounted.append(u)
         for p, counts in self._full_precision_params():
@@ -238,8 +265,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return ((p, _counts_in_norm(p)) for g in self.param_groups for p in g["params"])
 
     def _unscale(self, factor: float) -> None:
-        """Master grads = fp16 grads * factor; fp32 grads *= factor (fused, per bucket)."""
-        if self._masters is not None:
+        """Master grads = fp16 grads * factor; fp32 grads *= factor (fused, per bucket).
+
+        On the fused path the factor is only recorded: the step kernel applies it.
+        """
+        if self._fused is not None:
+            self._grad_factor = factor
+        elif self._masters is not None:
             for bucket in self._masters.buckets:
                 bucket.unscale_into_master(_scalar(factor, bucket.master))
         if factor != 1.0:
@@ -249,7 +281,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unscaled = True
 
     def _scale_unscaled_grads(self, factor: float) -> None:
-        if self._masters is not None:
+        if self._fused is not None:
+            self._grad_factor *= factor
+        elif self._masters is not None:
             for bucket in self._masters.buckets:
                 bucket.master_grad.mul_(factor)
         grads = [p.grad for p, _ in self._full_precision_params() if p.grad is not None]
@@ -371,29 +405,3 @@ def _device_of(param_groups) -> torch.device:
         for p in group["params"]:
             return p.device
     return state.device or torch.device("cpu")
-
-
-def _log_interval() -> int:
-    raw = os.environ.get(_LOG_INTERVAL_ENV, "50")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise SMPConfigError(f"{_LOG_INTERVAL_ENV} ({raw!r}) must be a whole number of steps >= 0 "
-                             "(0 turns the FP16 health log off)", key=_LOG_INTERVAL_ENV, value=raw)
-    return value
-
-
-def _log_health(opt: DistributedOptimizer) -> None:
-    logger = logging.getLogger("smp.fp16")
-    if not logger.hasHandlers():
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[smp] %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-    recent = opt.skipped_steps - opt._logged_skips
-    opt._logged_skips = opt.skipped_steps
-    mode = "fp16" if opt.fp16 else "bf16" if opt.bf16 else "fp32"
-    logger.info("step %d (%s): loss scale %g, skipped steps %d in total, %d in the last %d",
-                opt.steps, mode, opt.loss_scale, opt.skipped_steps, recent, opt._log_interval)

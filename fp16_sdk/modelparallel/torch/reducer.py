@@ -28,6 +28,11 @@ where loss_mb is a mean over the microbatch's samples. So
     (smp.nn layers split it), i.e. tp*rdp distinct slices: sum over DP, divide by dp_size.
 `backward_passes_per_step=k`: reduction happens on every k-th step only; the steps in between
 accumulate into `.grad` unreduced (like DDP's no_sync), and the sum is not divided by k.
+
+A group of one rank (dp = 1) has nothing to exchange: its buckets own no flat buffer, and a
+bucket's "launch" only divides the gradients in place (one multi-tensor kernel, and none when
+the divisor is 1), so `.grad` keeps its storage (the fp16 optimizer's flat buffer views) and
+the step costs no extra pass over the gradients and no extra memory.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class _Bucket:
     group: ReductionGroup
     params: list
     offsets: list
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None for a group of one rank: gradients stay where they are
     ready: set = field(default_factory=set)
     work: object = None
     launched: bool = False
@@ -114,7 +119,7 @@ class GradReducer:
         for p in params:
             offsets.append(total)
             total += p.numel()
-        buffer = torch.zeros(total, dtype=dtype, device=device)
+        buffer = torch.zeros(total, dtype=dtype, device=device) if group.size > 1 else None
         self.buckets.append(_Bucket(len(self.buckets), group, params, offsets, buffer))
 
     @property
@@ -152,6 +157,9 @@ class GradReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.buffer is None:
+            self._launch_local(bucket)
+            return
         for p, off in zip(bucket.params, bucket.offsets):
             view = bucket.buffer[off:off + p.numel()].view_as(p)
             if p.grad is None:
@@ -169,6 +177,16 @@ class GradReducer:
         self.launch_log.append((bucket.index, self._fired))
         self._next += 1
 
+    def _launch_local(self, bucket: _Bucket) -> None:
+        """A one-rank group: divide the gradients where they are (no copy, no collective)."""
+        if bucket.group.divisor != 1:
+            grads = [p.grad for p in bucket.params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, bucket.group.divisor)
+        bucket.launched = True
+        self.launch_log.append((bucket.index, self._fired))
+        self._next += 1
+
     def finish(self) -> None:
         """Launch the remaining buckets, wait for all, write results into `.grad`."""
         if not self._armed:
@@ -179,6 +197,10 @@ class GradReducer:
             if bucket.work is not None:
                 bucket.work.wait()
             for p, off in zip(bucket.params, bucket.offsets):
+                if bucket.buffer is None:
+                    if p.grad is None:  # counts as zeros, as in the reduced case
+                        p.grad = torch.zeros_like(p)
+                    continue
                 view = bucket.buffer[off:off + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = view if self.as_view else view.clone()

@@ -9,6 +9,8 @@ vectorised multi-tensor kernels see 16-byte aligned views):
                accumulates in place)                                       2 B/elem
     master     fp32 masters     (the inner optimizer steps these views)    4 B/elem
     master_grad fp32 master gradients                                      4 B/elem
+                (only for the exact path: the fused step, fused_step.py, reads
+                half_grad directly and never allocates it)
 
 so the per-step work is a handful of kernels per bucket, whatever the parameter count:
 one reduction for the norm and the inf/NaN check, one fused "unscale and widen" multiply
@@ -42,10 +44,14 @@ class FlatBucket:
     Args:
         counted: parameters that count in the global gradient norm (placed first).
         uncounted: parameters that do not (TP-replicated copies off tp_rank 0, tied duplicates).
+        group_index: the index of the optimizer param group the parameters belong to.
+        master_grads: allocate the fp32 master-gradient buffer (the exact path needs it).
     """
 
-    def __init__(self, counted: list[torch.nn.Parameter], uncounted: list[torch.nn.Parameter]):
+    def __init__(self, counted: list[torch.nn.Parameter], uncounted: list[torch.nn.Parameter],
+                 group_index: int = 0, master_grads: bool = True):
         self.params = counted + uncounted
+        self.group_index = group_index
         first = self.params[0]
         offsets, total = [], 0
         for p in self.params:
@@ -53,11 +59,12 @@ class FlatBucket:
             total += _padded(p.numel())
         self.counted_end = sum(_padded(p.numel()) for p in counted)
         self.numel = total
+        self.offsets = offsets
         dev, dtype = first.device, first.dtype
         self.half = torch.zeros(total, dtype=dtype, device=dev)
         self.half_grad = torch.zeros(total, dtype=dtype, device=dev)
         self.master = torch.zeros(total, dtype=torch.float32, device=dev)
-        self.master_grad = torch.zeros(total, dtype=torch.float32, device=dev)
+        self.master_grad = None
         self.grad_views, self.masters = [], []
         with torch.no_grad():
             for p, off in zip(self.params, offsets):
@@ -66,13 +73,22 @@ class FlatBucket:
                 p.data = self.half[off:off + n].view_as(p)
                 self.grad_views.append(self.half_grad[off:off + n].view_as(p))
                 master = self.master[off:off + n].view_as(p)
-                master.grad = self.master_grad[off:off + n].view_as(p)
                 for attr in _COPIED_ATTRS:
                     if getattr(p, attr, False):
                         setattr(master, attr, True)
                 self.masters.append(master)
             self.master.copy_(self.half)
+        if master_grads:
+            self.add_master_grads()
         self.attach_grads()
+
+    def add_master_grads(self) -> None:
+        """Allocate master_grad and make every master's .grad its view (exact path)."""
+        if self.master_grad is not None:
+            return
+        self.master_grad = torch.zeros_like(self.master)
+        for master, off in zip(self.masters, self.offsets):
+            master.grad = self.master_grad[off:off + master.numel()].view_as(master)
 
     def attach_grads(self) -> None:
         """Make every p.grad the view into half_grad (autograd then accumulates in place)."""
@@ -139,9 +155,12 @@ class MasterParams:
     Args:
         param_groups: the inner optimizer's param_groups (modified in place).
         counts: whether a parameter counts in the global gradient norm.
+        master_grads: give buckets an fp32 master-gradient buffer (False for the fused step).
     """
 
-    def __init__(self, param_groups: list[dict], *, counts: Callable[[torch.nn.Parameter], bool]):
+    def __init__(self, param_groups: list[dict], *, counts: Callable[[torch.nn.Parameter], bool],
+                 master_grads: bool = True):
+        self.master_grads = master_grads
         self.buckets: list[FlatBucket] = []
         self.full_precision: list[torch.nn.Parameter] = []  # fp32 params stepped as they are
         self.full_precision_counted: list[bool] = []
@@ -169,12 +188,18 @@ class MasterParams:
                 self.full_precision.append(p)
                 self.full_precision_counted.append(counts(p))
         for counted, uncounted in keyed.values():
-            bucket = FlatBucket(counted, uncounted)
+            bucket = FlatBucket(counted, uncounted, len(self._groups), self.master_grads)
             self.buckets.append(bucket)
             for p, m in zip(bucket.params, bucket.masters):
                 self.model_to_master[id(p)] = m
         # Keep the user's parameter order inside the group (state_dict indices follow it).
         return [self.model_to_master.get(id(p), p) for p in params]
+
+    def add_master_grads(self) -> None:
+        """Switch every bucket to the exact path's layout (master-gradient buffers)."""
+        self.master_grads = True
+        for bucket in self.buckets:
+            bucket.add_master_grads()
 
     @property
     def has_half(self) -> bool:

@@ -1,0 +1,195 @@
+"""The on-disk side of smp checkpoints: atomic files, manifests, the `newest` list, pruning.
+
+No collectives and no runtime state here (checkpointing.py decides who writes what); every
+function works on one folder and can be tested on its own.
+
+Atomicity: a file is written to `.<name>.tmp.<pid>` in its own folder, flushed, fsync'ed,
+renamed over the target (atomic on POSIX) and the folder fsync'ed, so after a crash a name
+holds either the old bytes, the new bytes, or nothing, never a torn file.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST", "atomic_write",
+           "save_torch", "save_json", "read_json", "load", "sha256_of", "read_newest",
+           "update_newest", "read_manifest", "check_files", "fsync_dir"]
+
+NEWEST, PLAN, MANIFEST = "newest", ".plan.json", ".complete.json"
+PAUSE_ENV = "FP16_SDK_CKPT_TEST_PAUSE_AFTER"
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint whose save did not finish, or whose files do not match its manifest."""
+
+
+class _HashingWriter(io.RawIOBase):
+    """Passes bytes to a file while hashing and counting them (torch.save writes through it)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self._f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(target: str, write) -> dict:
+    """Write through `write(fileobj)` into a temporary file next to `target`, fsync, rename.
+
+    Returns:
+        {"size": bytes, "sha256": hex digest} of what was written.
+    """
+    folder, name = os.path.split(target)
+    tmp = os.path.join(folder, f".{name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            write(writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(folder)
+    _maybe_pause(os.path.join(os.path.basename(folder), name))
+    return {"size": writer.size, "sha256": writer.sha.hexdigest()}
+
+
+def save_torch(obj, target: str) -> dict:
+    return atomic_write(target, lambda f: torch.save(obj, f))
+
+
+def save_json(obj, target: str) -> dict:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    return atomic_write(target, lambda f: f.write(data))
+
+
+def _maybe_pause(name: str) -> None:
+    """Test hook: sleep after writing a file matching $FP16_SDK_CKPT_TEST_PAUSE_AFTER (a glob
+    over "<folder>/<file>" or "<file>"), so a test can SIGKILL the process between files."""
+    pattern = os.environ.get(PAUSE_ENV)
+    if pattern and (fnmatch.fnmatch(name, pattern)
+                    or fnmatch.fnmatch(os.path.basename(name), pattern)):
+        print(f"[smp checkpoint test hook] wrote {name}; pausing for the test to kill me",
+              file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
+def sha256_of(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def load(path: str):
+    """torch.load onto the CPU (smp checkpoints hold arbitrary user objects)."""
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---- the newest list and pruning ----------------------------------------------------------
+def read_newest(path: str) -> list[str]:
+    """The partial checkpoints `newest` lists, oldest first ([] when there is none)."""
+    try:
+        with open(os.path.join(path, NEWEST)) as f:
+            return [line.strip() for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def update_newest(path: str, entry: str, keep: int | None) -> list[str]:
+    """Append `entry` to `newest` (atomically), then delete the folders beyond `keep`.
+
+    Returns:
+        The folders pruned.
+    """
+    entries = [e for e in read_newest(path) if e != entry] + [entry]
+    pruned = entries[:-keep] if keep else []
+    entries = entries[len(pruned):]
+    atomic_write(os.path.join(path, NEWEST),
+                 lambda f: f.write("".join(f"{e}\n" for e in entries).encode()))
+    for old in pruned:  # after newest moved: a crash here leaves only unlisted folders
+        shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+    return pruned
+
+
+# ---- manifests ---------------------------------------------------------------------------
+def read_manifest(folder: str) -> dict:
+    """The committed manifest of a partial checkpoint folder.
+
+    Raises:
+        CheckpointError: no such folder.
+        IncompleteCheckpointError: the save did not finish; names the files the plan
+            expected that are not there.
+    """
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
+    manifest = read_json(os.path.join(folder, MANIFEST))
+    if manifest is not None:
+        return manifest
+    plan = read_json(os.path.join(folder, PLAN))
+    if plan is None:
+        raise IncompleteCheckpointError(
+            f"checkpoint {folder!r} is incomplete: it has neither {MANIFEST} nor {PLAN} "
+            f"(its save stopped before writing anything); resume an older tag")
+    missing = sorted(f for f in plan["files"] if not os.path.exists(os.path.join(folder, f)))
+    raise IncompleteCheckpointError(
+        f"checkpoint {folder!r} is incomplete: its save did not finish ({MANIFEST} is "
+        f"missing); missing files: {missing or 'none, but the save was not committed'}; "
+        f"resume an older tag (the 'newest' file still names the last complete one)")
+
+
+def check_files(folder: str, records: dict, names: list[str]) -> None:
+    """Check that each of `names` exists with the size and sha256 its manifest record says.
+
+    Raises:
+        IncompleteCheckpointError: naming every file that is missing or differs.
+    """
+    bad = []
+    for name in names:
+        full, rec = os.path.join(folder, name), records[name]
+        if not os.path.exists(full):
+            bad.append(f"{name} (missing)")
+        elif os.path.getsize(full) != rec["size"]:
+            bad.append(f"{name} ({os.path.getsize(full)} bytes, manifest says {rec['size']})")
+        elif sha256_of(full) != rec["sha256"]:
+            bad.append(f"{name} (sha256 differs from the manifest)")
+    if bad:
+        raise IncompleteCheckpointError(f"checkpoint {folder!r} is damaged: {', '.join(bad)}")

@@ -1,0 +1,77 @@
+"""Triton kernels for the fused fp16 optimizer step (imported only where Triton exists).
+
+One program handles BLOCK consecutive elements of a flat bucket. Per element the Adam kernel
+reads the half gradient (2 B), the fp32 master, exp_avg and exp_avg_sq (12 B), writes those
+three back (12 B) and writes the half parameter (2 B): 28 B, the optimizer step's floor.
+The arithmetic follows torch.optim.Adam/AdamW's (foreach) formulas operation by operation,
+with IEEE-rounded sqrt and division, so the masters match torch's to a few fp32 ulps.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["adam_kernel", "sgd_kernel"]
+
+
+@triton.jit
+def adam_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, n,
+                grad_factor, decay, weight_decay, one_m_beta1, beta2, one_m_beta2, eps,
+                step_size, bc2_sqrt,
+                DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One Adam(W) step on BLOCK elements.
+
+    Scalars come from the host in double precision, rounded once to fp32 as torch's kernels
+    round theirs: grad_factor = clip_coeff / loss_scale, decay = 1 - lr * wd (AdamW),
+    step_size = lr / (1 - beta1**t), bc2_sqrt = sqrt(1 - beta2**t) for step count t.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_factor
+    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    if MAXIMIZE:
+        g = -g
+    if DECOUPLED:
+        p = p * decay                              # AdamW: param.mul_(1 - lr * wd)
+    else:
+        g = g + weight_decay * p                   # Adam: grad.add(param, alpha=wd)
+    m = m + one_m_beta1 * (g - m)                  # exp_avg.lerp_(grad, 1 - beta1)
+    v = v * beta2 + one_m_beta2 * (g * g)          # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)        # param.addcdiv_(m, denom, -step_size)
+    tl.store(master_ptr + offs, p, mask=mask)
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    tl.store(half_ptr + offs, p.to(half_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sgd_kernel(grad_ptr, master_ptr, buf_ptr, half_ptr, n,
+               grad_factor, lr, momentum, one_m_dampening, weight_decay,
+               HAS_MOMENTUM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
+               MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One SGD step on BLOCK elements (torch.optim.SGD's rules; FIRST: no buffer yet)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_factor
+    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    if MAXIMIZE:
+        g = -g
+    g = g + weight_decay * p                       # grad.add(param, alpha=wd)
+    if HAS_MOMENTUM:
+        if FIRST:
+            buf = g                                # buf = clone(grad)
+        else:
+            buf = tl.load(buf_ptr + offs, mask=mask, other=0.0)
+            buf = buf * momentum + one_m_dampening * g
+        tl.store(buf_ptr + offs, buf, mask=mask)
+        if NESTEROV:
+            g = g + momentum * buf
+        else:
+            g = buf
+    p = p - lr * g                                 # param.add_(grad, alpha=-lr)
+    tl.store(master_ptr + offs, p, mask=mask)
+    tl.store(half_ptr + offs, p.to(half_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,220 @@
+"""The fused optimizer step for half parameters: one kernel per flat bucket, no master grads.
+
+The exact path (master_params.py) widens the half gradients into an fp32 master-gradient
+buffer, lets the torch optimizer step the masters, and copies them back: ~42 B/param and
+4 B/param of extra memory. Here, for torch.optim.Adam, AdamW and SGD on CUDA with Triton,
+one kernel per bucket (fused_kernels.py) reads the half gradient, multiplies it by
+clip_coeff / loss_scale, updates master and optimizer state and writes the half parameter:
+28 B/param, plus the 2 B/param the norm/overflow reduction reads before it.
+
+The inner optimizer stays the source of truth for hyper-parameters (lr, betas, eps,
+weight_decay, momentum... are read from its param_groups at every step, so LR schedulers
+work) and for state: `optimizer.state[master]` holds `step`, `exp_avg`, `exp_avg_sq` (or
+`momentum_buffer`) as torch does, the tensors being views into per-bucket flat buffers, so
+state_dict()/load_state_dict() and checkpoints are unchanged. A state that torch's
+load_state_dict replaced is copied back into the flat buffers at the next step.
+
+`SMP_FUSED_OPTIMIZER=0` turns the fused step off (the exact path runs instead).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .master_params import HALF_DTYPES, FlatBucket
+
+__all__ = ["FusedStepper", "fused_kind", "FUSED_ENV"]
+
+FUSED_ENV = "SMP_FUSED_OPTIMIZER"
+_BLOCK, _WARPS = 1024, 4  # 8 elements a thread: 16-byte fp32 and 8-byte fp16 accesses
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+_SGD_KEYS = ("momentum_buffer",)
+
+
+def _kernels():
+    try:
+        from . import fused_kernels
+    except ImportError:  # no Triton (CPU installs): the exact path runs
+        return None
+    return fused_kernels
+
+
+def fused_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """"adam" or "sgd" when the fused step can stand in for `optimizer.step()`, else None.
+
+    Needs: exactly torch.optim.Adam/AdamW (amsgrad off) or SGD, not differentiable; every
+    parameter half precision and on CUDA (or Triton's interpreter, TRITON_INTERPRET=1);
+    Triton importable; SMP_FUSED_OPTIMIZER not "0".
+    """
+    if os.environ.get(FUSED_ENV, "1") == "0":
+        return None
+    kind = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}.get(
+        type(optimizer))
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if kind is None or not params or not all(_group_ok(kind, g) for g in optimizer.param_groups):
+        return None
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if any(p.dtype not in HALF_DTYPES or not (p.device.type == "cuda" or interpret)
+           for p in params):
+        return None
+    return kind if _kernels() is not None else None
+
+
+def _group_ok(kind: str, group: dict) -> bool:
+    if group.get("differentiable", False):
+        return False
+    return not group.get("amsgrad", False) if kind == "adam" else True
+
+
+def _has_step_hooks(optimizer) -> bool:
+    """Step hooks (the optimizer's or global ones) need torch's own step() to run them."""
+    from torch.optim import optimizer as torch_optimizer
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks
+                or torch_optimizer._global_optimizer_post_hooks)
+
+
+def _f(value) -> float:
+    return float(value.item() if torch.is_tensor(value) else value)
+
+
+class FusedStepper:
+    """Steps the masters of `MasterParams` buckets with one kernel per bucket.
+
+    Args:
+        kind: "adam" or "sgd" (from `fused_kind`).
+        optimizer: the inner torch optimizer (its param_groups hold the masters).
+    """
+
+    def __init__(self, kind: str, optimizer: torch.optim.Optimizer):
+        self.kind = kind
+        self.optimizer = optimizer
+        self.decoupled = isinstance(optimizer, torch.optim.AdamW)
+        self._flat: dict[int, dict[str, torch.Tensor]] = {}  # id(bucket) -> key -> flat buffer
+        self._steps: dict[int, int] = {}                     # id(bucket) -> Adam step count
+
+    def supports(self, groups: list[dict], buckets: list[FlatBucket] | None = None) -> bool:
+        """Whether the groups' current options (and the buckets' devices) suit the kernels."""
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        return all(_group_ok(self.kind, g) for g in groups) and all(
+            b.master.device.type == "cuda" or interpret for b in buckets or ())
+
+    def step(self, buckets: list[FlatBucket], grad_factor: float) -> bool:
+        """One optimizer step on every bucket (grads times `grad_factor`).
+
+        Returns:
+            False (nothing stepped) when the state cannot be held flat, e.g. a loaded state
+            whose step counts differ inside one bucket: the caller takes the exact path.
+        """
+        groups = self.optimizer.param_groups
+        if not self.supports(groups) or _has_step_hooks(self.optimizer):
+            return False
+        for bucket in buckets:
+            if not self._in_sync(bucket) and not self._adopt(bucket):
+                return False
+        kernels = _kernels()
+        for bucket in buckets:
+            group = groups[bucket.group_index]
+            if self.kind == "adam":
+                self._adam(kernels, bucket, group, grad_factor)
+            else:
+                self._sgd(kernels, bucket, group, grad_factor)
+        self.optimizer._opt_called = True  # what torch's step wrapper records for LR schedulers
+        return True
+
+    # ---- the kernels' arguments --------------------------------------------------------
+    def _adam(self, kernels, bucket: FlatBucket, group: dict, grad_factor: float) -> None:
+        key = id(bucket)
+        self._steps[key] += 1
+        t = self._steps[key]
+        torch._foreach_add_([self.optimizer.state[m]["step"] for m in bucket.masters], 1)
+        lr, (beta1, beta2) = _f(group["lr"]), (_f(b) for b in group["betas"])
+        wd = _f(group["weight_decay"])
+        decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
+        flat = self._flat[key]
+        grid = (triton_cdiv(bucket.numel, _BLOCK),)
+        kernels.adam_kernel[grid](
+            bucket.half_grad, bucket.master, flat["exp_avg"], flat["exp_avg_sq"], bucket.half,
+            bucket.numel, grad_factor, 1.0 - lr * wd, wd, 1.0 - beta1, beta2, 1.0 - beta2,
+            _f(group["eps"]), lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t),
+            DECOUPLED=decoupled, MAXIMIZE=bool(group.get("maximize", False)),
+            BLOCK=_BLOCK, num_warps=_WARPS)
+
+    def _sgd(self, kernels, bucket: FlatBucket, group: dict, grad_factor: float) -> None:
+        momentum = _f(group["momentum"])
+        flat = self._flat.get(id(bucket), {})
+        first = momentum != 0 and "momentum_buffer" not in flat
+        if first:
+            flat = self._flat[id(bucket)] = {"momentum_buffer": torch.empty_like(bucket.master)}
+            self._attach_views(bucket, flat, {})
+        grid = (triton_cdiv(bucket.numel, _BLOCK),)
+        kernels.sgd_kernel[grid](
+            bucket.half_grad, bucket.master, flat.get("momentum_buffer", bucket.master),
+            bucket.half, bucket.numel, grad_factor, _f(group["lr"]), momentum,
+            1.0 - _f(group["dampening"]), _f(group["weight_decay"]),
+            HAS_MOMENTUM=momentum != 0, FIRST=first, NESTEROV=bool(group["nesterov"]),
+            MAXIMIZE=bool(group.get("maximize", False)), BLOCK=_BLOCK, num_warps=_WARPS)
+
+    # ---- state held flat ---------------------------------------------------------------
+    def _in_sync(self, bucket: FlatBucket) -> bool:
+        """The inner state of the bucket's first master is still our view (cheap sentinel)."""
+        flat = self._flat.get(id(bucket))
+        entry = self.optimizer.state.get(bucket.masters[0])
+        if flat is None or entry is None:
+            # SGD keeps no state until momentum is used; Adam allocates at its first step.
+            return self.kind == "sgd" and flat is None and entry is None
+        key = next(iter(flat))
+        return entry.get(key) is not None and entry[key].data_ptr() == _view(
+            flat[key], bucket, 0).data_ptr()
+
+    def _adopt(self, bucket: FlatBucket) -> bool:
+        """(Re)build the bucket's flat state from what optimizer.state holds (zeros if none)."""
+        state = self.optimizer.state
+        entries = [state.get(m, {}) for m in bucket.masters]
+        keys = _ADAM_KEYS if self.kind == "adam" else _SGD_KEYS
+        if self.kind == "adam":
+            steps = {_f(e["step"]) for e in entries if "step" in e}
+            if len(steps) > 1 or (steps and any("step" not in e for e in entries)):
+                return False  # one bias correction per bucket: mixed step counts can't be flat
+            self._steps[id(bucket)] = int(steps.pop()) if steps else 0
+        elif not any(keys[0] in e and e[keys[0]] is not None for e in entries):
+            self._flat.pop(id(bucket), None)  # no momentum buffer yet: the next step is FIRST
+            return True
+        flat = {k: torch.zeros_like(bucket.master) for k in keys}
+        self._flat[id(bucket)] = flat
+        self._attach_views(bucket, flat, {i: e for i, e in enumerate(entries)})
+        return True
+
+    def _attach_views(self, bucket: FlatBucket, flat: dict, old: dict) -> None:
+        """Seat state[master][key] = view into flat[key], copying any old value in."""
+        state = self.optimizer.state
+        for i, master in enumerate(bucket.masters):
+            entry = dict(old.get(i, {}))
+            for key, buf in flat.items():
+                view = _view(buf, bucket, i)
+                if torch.is_tensor(entry.get(key)):
+                    view.copy_(entry[key].reshape(view.shape))
+                entry[key] = view
+            if self.kind == "adam":
+                entry["step"] = self._step_tensor(entry.get("step"), master, bucket.group_index)
+            state[master] = entry
+
+    def _step_tensor(self, old, master: torch.Tensor, group_index: int) -> torch.Tensor:
+        """A per-parameter step count as torch keeps it (on the device when fused/capturable)."""
+        value = _f(old) if old is not None else 0.0
+        group = self.optimizer.param_groups[group_index]
+        on_device = group.get("fused") or group.get("capturable")
+        return torch.tensor(value, dtype=torch.float32,
+                            device=master.device if on_device else "cpu")
+
+
+def _view(flat: torch.Tensor, bucket: FlatBucket, i: int) -> torch.Tensor:
+    off, n = bucket.offsets[i], bucket.masters[i].numel()
+    return flat[off:off + n].view_as(bucket.masters[i])
+
+
+def triton_cdiv(n: int, block: int) -> int:
+    return (n + block - 1) // block

@@ -1,0 +1,44 @@
+"""The FP16 health log: every N steps on rank 0, the loss scale and the skipped-step count."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..errors import SMPConfigError
+
+__all__ = ["LOG_INTERVAL_ENV", "log_interval", "log_health"]
+
+LOG_INTERVAL_ENV = "SMP_LOG_INTERVAL"
+
+
+def log_interval() -> int:
+    """Steps between two health lines, from SMP_LOG_INTERVAL (default 50, 0 = off).
+
+    Raises:
+        SMPConfigError: the variable is not a whole number >= 0.
+    """
+    raw = os.environ.get(LOG_INTERVAL_ENV, "50")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise SMPConfigError(f"{LOG_INTERVAL_ENV} ({raw!r}) must be a whole number of steps >= 0 "
+                             "(0 turns the FP16 health log off)", key=LOG_INTERVAL_ENV, value=raw)
+    return value
+
+
+def log_health(opt) -> None:
+    """Log one line for a DistributedOptimizer: step, mode, loss scale, skipped steps."""
+    logger = logging.getLogger("smp.fp16")
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[smp] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    recent = opt.skipped_steps - opt._logged_skips
+    opt._logged_skips = opt.skipped_steps
+    mode = "fp16" if opt.fp16 else "bf16" if opt.bf16 else "fp32"
+    logger.info("step %d (%s): loss scale %g, skipped steps %d in total, %d in the last %d",
+                opt.steps, mode, opt.loss_scale, opt.skipped_steps, recent, opt._log_interval)
