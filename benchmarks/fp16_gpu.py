@@ -1,11 +1,16 @@
 """FP16 training throughput on one GPU: fp32 eager vs autocast+GradScaler vs the smp runtime.
 
-Three arms, one process, same model init, same data, same steps (spec performance.md, benchmark 1):
-  fp32      fp32 weights, fused AdamW
-  autocast  fp32 weights, torch.autocast(fp16) + torch.amp.GradScaler + fused AdamW
-  smp       smp.init({"fp16": True}) + DistributedModel + DistributedOptimizer with dynamic
-            loss scaling (fp16 weights, flat fp32 masters, fused AdamW on the masters)
+The arms, one process, same model init, same data, same steps (spec performance.md, benchmark 1):
+  fp32       fp32 weights, fused AdamW
+  autocast   fp32 weights, torch.autocast(fp16) + torch.amp.GradScaler + fused AdamW
+  smp        smp.init({"fp16": True}) + DistributedModel + DistributedOptimizer with dynamic
+             loss scaling (fp16 weights, flat fp32 masters, the fused AdamW step on CUDA)
+  smp_exact  smp with SMP_FUSED_OPTIMIZER=0: the exact path (fp32 master grads, torch's fused
+             AdamW on the masters, copy back), for the before/after of the fused step
+  smp_nn     smp as above on the same GPT built from smp.nn modules at tp=1
+             (DistributedTransformerLMHead; its own init, loss over S-1 positions)
 Every arm clips the gradient norm to 1.0 (the seed script's clip_master_grads) unless --no-clip.
+With --compile every arm's model is wrapped in torch.compile (the loss stays eager in all).
 
 Reported per arm: tokens/s, MFU (FLOPs/token = 6N + 12 L h s, N = parameters without the
 token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimizer-step time
@@ -13,6 +18,7 @@ token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimize
 28 N_total / 4.3e12 s, and the final loss.
 
     python benchmarks/fp16_gpu.py --preset 350m --preset 1.3b --out benchmarks/results/fp16_gpu.json
+    python benchmarks/fp16_gpu.py --cpu --preset tiny --arms fp32,autocast,smp,smp_nn  # smoke
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ PEAK_FLOPS = 989e12      # H200 dense fp16/bf16 datasheet
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 machine
 LR, MAX_NORM = 3e-4, 1.0
 DEVICE = torch.device("cuda")
+COMPILE = False  # --compile: torch.compile every arm's model
+ARMS = ("fp32", "autocast", "smp", "smp_exact", "smp_nn")
+
+
+def _maybe_compile(model):
+    return torch.compile(model) if COMPILE else model
 
 
 class Block(nn.Module):
@@ -140,7 +152,7 @@ def _timed_loop(run_step, batches, steps, warmup):
 def arm_plain(cfg, batches, steps, warmup, *, autocast: bool, clip: bool):
     torch.manual_seed(0)
     with DEVICE:
-        model = GPT(**cfg)
+        model = _maybe_compile(GPT(**cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     scaler = torch.amp.GradScaler(DEVICE.type) if autocast else None
 
@@ -171,7 +183,7 @@ def arm_plain(cfg, batches, steps, warmup, *, autocast: bool, clip: bool):
     return result, count_params(model), extra, (model, opt)
 
 
-def arm_smp(cfg, batches, steps, warmup, *, clip: bool):
+def _init_smp():
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -184,13 +196,35 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool):
     smp.init({"fp16": True})
     if DEVICE.type == "cuda":
         torch.cuda.set_device(smp.local_rank())
+    state.model = state.optimizer = None  # one DistributedModel per process: this arm's
+    return smp
+
+
+def _snn_gpt(cfg):
+    """The plain GPT's architecture from smp.nn modules (tp=1), and its parameter counts."""
+    from fp16_sdk.modelparallel.torch import nn as snn
+    h, heads, seq = cfg["hidden"], cfg["heads"], cfg["seq"]
+    model = snn.DistributedTransformerLMHead(
+        num_layers=cfg["layers"], num_attention_heads=heads, attention_head_size=h // heads,
+        hidden_size=h, intermediate_size=4 * h, vocab_size=cfg["vocab"], num_positions=seq,
+        causal_mask_size=seq, pre_layernorm=True, post_layernorm=True,
+        attention_dropout_prob=0.0, hidden_dropout_prob=0.0, use_normal_initialization=True,
+        tp_context=snn.TPContext())
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.word_embedding.weight.numel() + model.position_embedding.weight.numel()
+    return model, (total, total - emb)
+
+
+def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn: bool = False):
+    smp = _init_smp()
     torch.manual_seed(0)
     # Same init as the other arms: fp32 weights drawn from seed 0, then cast by FP16Module.
     with DEVICE:
-        module = GPT(**cfg)
-    sizes = count_params(module)
-    state.model = state.optimizer = None  # one DistributedModel per process: this preset's
-    model = smp.DistributedModel(module)
+        module, sizes = _snn_gpt(cfg) if snn else (GPT(**cfg), None)
+    sizes = sizes or count_params(module)
+    model = smp.DistributedModel(_maybe_compile(module))
+    saved_env = os.environ.get("SMP_FUSED_OPTIMIZER")
+    os.environ["SMP_FUSED_OPTIMIZER"] = "1" if fused else "0"  # read when the optimizer is built
     opt = smp.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
         static_loss_scale=None, dynamic_loss_scale=True,
@@ -198,10 +232,17 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool):
         # skipped (hysteresis 2), and the arms would not have trained the same steps.
         dynamic_loss_args={"init_scale": 2**16, "scale_window": 1000, "min_scale": 1,
                            "delayed_shift": 2})
+    if saved_env is None:
+        os.environ.pop("SMP_FUSED_OPTIMIZER")
+    else:
+        os.environ["SMP_FUSED_OPTIMIZER"] = saved_env
 
     @smp.step
     def train_step(model, x, y):
-        loss = lm_loss(model(x), y)
+        if snn:  # labels = inputs: the module shifts them (loss over S-1 positions)
+            loss, _ = model((x, None, None, None, x))
+        else:
+            loss = lm_loss(model(x), y)
         model.backward(loss)
         return loss
 
@@ -216,7 +257,8 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool):
         return loss.detach()
 
     result = _timed_loop(run_step, batches, steps, warmup)
-    extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps}
+    extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
+             "fused_optimizer_step": opt._fused is not None}
     return result, sizes, extra, (model, opt)
 
 
@@ -246,39 +288,56 @@ def summarise(name, cfg, result, sizes, extra, steps) -> dict:
     }
 
 
-def run_preset(name, cfg, steps, warmup, clip, arms) -> dict:
+def _run_arm(arm, cfg, batches, steps, warmup, clip):
+    if arm.startswith("smp"):
+        return arm_smp(cfg, batches, steps, warmup, clip=clip, fused=arm != "smp_exact",
+                       snn=arm == "smp_nn")
+    return arm_plain(cfg, batches, steps, warmup, autocast=arm == "autocast", clip=clip)
+
+
+def _ratios(by: dict) -> dict:
+    out = {}
+    for arm, base in (("smp", "autocast"), ("smp_nn", "smp"), ("smp", "smp_exact")):
+        if arm in by and base in by:
+            out[f"{arm}_over_{base}_tokens"] = by[arm]["tokens_per_s"] / by[base]["tokens_per_s"]
+            out[f"{arm}_minus_{base}_loss"] = by[arm]["final_loss"] - by[base]["final_loss"]
+    return out
+
+
+def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None) -> dict:
+    """All arms of one preset; on_arm(partial result) after each (so a timeout keeps them)."""
     batches = make_batches(cfg, 4, DEVICE)
-    rows = []
+    res = {"preset": name, "compiled": COMPILE, "config": cfg, "steps": steps, "warmup": warmup,
+           "clip": clip, "arms": [], "ratios": {}}
     for arm in arms:
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        if arm == "smp":
-            result, sizes, extra, keep = arm_smp(cfg, batches, steps, warmup, clip=clip)
-        else:
-            result, sizes, extra, keep = arm_plain(cfg, batches, steps, warmup,
-                                                   autocast=arm == "autocast", clip=clip)
-        rows.append(summarise(arm, cfg, result, sizes, extra, steps))
-        del keep
+        t0 = time.perf_counter()
+        result, sizes, extra, keep = _run_arm(arm, cfg, batches, steps, warmup, clip)
+        row = summarise(arm, cfg, result, sizes, extra, steps)
+        row["arm_wall_s"] = time.perf_counter() - t0  # build + compile + warmup + timed steps
+        res["arms"].append(row)
+        if arm != "smp_nn":
+            res["params_total"], res["params_non_embedding"] = sizes
+        del keep, result
         gc.collect()
-        print(f"  {name}/{arm}: {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
-    by = {r["arm"]: r for r in rows}
-    ratios = {}
-    if "smp" in by and "autocast" in by:
-        ratios = {"smp_over_autocast_tokens": by["smp"]["tokens_per_s"] / by["autocast"]["tokens_per_s"],
-                  "smp_minus_autocast_loss": by["smp"]["final_loss"] - by["autocast"]["final_loss"]}
-    return {"preset": name, "config": cfg, "params_total": sizes[0], "params_non_embedding": sizes[1],
-            "steps": steps, "warmup": warmup, "clip": clip, "arms": rows, "ratios": ratios}
+        res["ratios"] = _ratios({r["arm"]: r for r in res["arms"]})
+        print(f"  {name}/{arm}: {row['tokens_per_s']:.0f} tok/s ({row['arm_wall_s']:.0f} s)",
+              flush=True)
+        if on_arm is not None:
+            on_arm(res)
+    return res
 
 
 def print_table(res: dict) -> None:
-    print(f"\n{res['preset']}: {res['params_total'] / 1e6:.0f}M params "
-          f"({res['params_non_embedding'] / 1e6:.0f}M without embeddings), "
-          f"{res['steps']} timed steps, clip={res['clip']}")
-    head = f"{'arm':9} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'opt ms':>8} {'floor':>6} {'xfloor':>6} {'loss':>8}"
+    print(f"\n{res['preset']}: {res.get('params_total', 0) / 1e6:.0f}M params "
+          f"({res.get('params_non_embedding', 0) / 1e6:.0f}M without embeddings), "
+          f"{res['steps']} timed steps, clip={res['clip']}, compiled={res['compiled']}")
+    head = f"{'arm':10} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'opt ms':>8} {'floor':>6} {'xfloor':>6} {'loss':>8}"
     print(head + "\n" + "-" * len(head))
     for r in res["arms"]:
-        print(f"{r['arm']:9} {r['tokens_per_s']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_mem_gib'] or 0:9.1f} "
+        print(f"{r['arm']:10} {r['tokens_per_s']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_mem_gib'] or 0:9.1f} "
               f"{r['opt_step_ms_median']:8.2f} {r['opt_step_floor_ms']:6.2f} "
               f"{r['opt_step_over_floor']:6.2f} {r['final_loss']:8.4f}")
     for k, v in res["ratios"].items():
@@ -290,34 +349,49 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--arms", default="fp32,autocast,smp")
+    ap.add_argument("--arms", default="fp32,autocast,smp",
+                    help=f"comma-separated, from {','.join(ARMS)}")
+    ap.add_argument("--compile", action="store_true", help="torch.compile every arm's model")
     ap.add_argument("--no-clip", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "fp16_gpu.json"))
     ap.add_argument("--cpu", action="store_true", help="smoke-test the code path on CPU")
     args = ap.parse_args(argv)
-    global DEVICE
+    arms = args.arms.split(",")
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        ap.error(f"--arms: unknown arm(s) {unknown}; choose from {','.join(ARMS)}")
+    global DEVICE, COMPILE
     DEVICE = torch.device("cpu" if args.cpu else "cuda")
+    COMPILE = args.compile
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("fp16_gpu.py needs a CUDA GPU (run it on the accelerator machine), "
                          "or --cpu for a smoke test")
     torch.backends.cuda.matmul.allow_tf32 = False  # "fp32 eager" means real fp32 matmuls
     results = []
+    meta = _meta()
     for name in args.preset or ["350m"]:
-        res = run_preset(name, PRESETS[name], args.steps, args.warmup, not args.no_clip,
-                         args.arms.split(","))
+        res = run_preset(name, PRESETS[name], args.steps, args.warmup, not args.no_clip, arms,
+                         on_arm=lambda partial: _write(args.out, meta, results + [partial]))
         print_table(res)
         results.append(res)
-    meta = {"gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "torch": torch.__version__,
+    _write(args.out, meta, results)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _write(path, meta, results) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+
+
+def _meta() -> dict:
+    return {"gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(),
             "peak_flops": PEAK_FLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S,
             "flops_per_token": "6*N + 12*L*h*s, N = params without wte and wpe",
             "opt_step": "CUDA events, end of backward to end of optimizer step (clip included)"}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
-    print(f"\nwrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

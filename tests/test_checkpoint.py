@@ -123,6 +123,7 @@ def test_pruning_keeps_the_newest(straight):
         assert (ck / "step8_partial" / name).stat().st_size == rec["size"]
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bit_exact_dp2(straight, tmp_path):
     want, _ = straight
     ck = tmp_path / "ck"
@@ -154,6 +155,7 @@ def _resume_probe(rank, world, ckpt_dir, tag):
     return "ok", user["step"]
 
 
+@pytest.mark.slow
 def test_interrupted_save_leaves_the_previous_checkpoint(straight, tmp_path):
     want, _ = straight
     ck = tmp_path / "ck"
@@ -188,6 +190,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(straight, tmp_path):
     _same_history(got, want)
 
 
+@pytest.mark.slow
 def test_damaged_or_mismatched_checkpoint_is_refused(straight, tmp_path):
     _, ck = straight
     copy = tmp_path / "ck"
