@@ -145,6 +145,7 @@ def main():
     if ckpt_dir and os.path.exists(os.path.join(ckpt_dir, "newest")):
         user = smp.resume_from_checkpoint(ckpt_dir, partial=True)
         start_step, history = user["step"], user["history"]
+        scheduler.load_state_dict(user["lr_scheduler"])  # StepLR counts only applied steps
         if smp.rank() == 0:
             print(f"resumed from {ckpt_dir} at step {start_step}", flush=True)
 
@@ -183,7 +184,8 @@ def main():
         if ckpt_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             smp.save_checkpoint(ckpt_dir, tag=f"step{step + 1}", partial=True, model=model,
                                 optimizer=optimizer,
-                                user_content={"step": step + 1, "history": history})
+                                user_content={"step": step + 1, "history": history,
+                                              "lr_scheduler": scheduler.state_dict()})
 
     state = model.state_dict()  # gathered from every stage and TP rank
     if smp.rank() == 0:

@@ -21,10 +21,6 @@ import torch.nn.functional as F
 
 import smdistributed.modelparallel.torch as smp
 
-if not hasattr(smp, "save_checkpoint"):  # until smp's __init__ exports them
-    from fp16_sdk.modelparallel.torch.checkpointing import resume_from_checkpoint, save_checkpoint
-    smp.save_checkpoint, smp.resume_from_checkpoint = save_checkpoint, resume_from_checkpoint
-
 SIZES = dict(num_layers=2, num_attention_heads=2, attention_head_size=8, hidden_size=16,
              intermediate_size=32, vocab_size=64, num_positions=8, causal_mask_size=8,
              pre_layernorm=True, post_layernorm=False, attention_dropout_prob=0.0)

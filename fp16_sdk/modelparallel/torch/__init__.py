@@ -7,6 +7,8 @@ the wrapped model instance.
 
 from . import errors, model, nn  # noqa: F401  (smp.model / smp.nn must be modules)
 from .checkpoint import load, save
+from .checkpoint_files import IncompleteCheckpointError
+from .checkpointing import resume_from_checkpoint, save_checkpoint
 from .comm import (CommGroup, RankType, allgather, barrier, broadcast, dp_barrier, mp_barrier,
                    recv_from, send)
 from .contexts import (delay_param_initialization, model_creation, partition,
@@ -64,8 +66,8 @@ __all__ = [
     "tp_register_with_module", "partition", "set_partition", "delay_param_initialization",
     "set_activation_checkpointing",
     # checkpoints
-    "save", "load",
+    "save", "load", "save_checkpoint", "resume_from_checkpoint",
     # errors
     "errors", "SMPError", "SMPConfigError", "SMPNotInitializedError", "StepError", "CommError",
-    "CheckpointError", "SMPUnsupportedError",
+    "CheckpointError", "IncompleteCheckpointError", "SMPUnsupportedError",
 ]
