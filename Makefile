@@ -23,8 +23,9 @@ test-fast: install
 image: install
 	bash container/build_image.sh cpu
 
+# Needs a registry for the CUDA PyTorch base image: make image-gpu BASE_IMAGE=<cuda pytorch image>
 image-gpu: install
-	bash container/build_image.sh gpu
+	BASE_IMAGE="$(BASE_IMAGE)" bash container/build_image.sh gpu
 
 clean:
 	rm -rf $(STAMP) build dist *.egg-info fp16_sdk_jobs .pytest_cache

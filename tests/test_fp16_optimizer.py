@@ -19,17 +19,15 @@ from torch import nn
 
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
-from fp16_sdk.modelparallel.torch.fp16.fused_step import fused_kind
+from fp16_sdk.modelparallel.torch.fp16.fused_step import triton_available
 from fp16_sdk.modelparallel.torch.fp16.loss_scaler import DynamicLossScaler
 from fp16_sdk.modelparallel.torch.state import state
 from mp_utils import run_ranks
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # The fused step runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1).
-_TRITON = fused_kind(torch.optim.SGD([torch.zeros(1, dtype=torch.float16,
-                                                  device=DEVICES[-1])], lr=0.1)) is not None
-FUSED_DEVICES = [d for d in DEVICES if _TRITON and (d == "cuda" or os.environ.get(
-    "TRITON_INTERPRET") == "1")]
+FUSED_DEVICES = [d for d in DEVICES if triton_available() and (
+    d == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")]
 SEED_ARGS = {"scale_window": 1000, "min_scale": 1, "delayed_shift": 2}
 
 

@@ -24,7 +24,7 @@ from fp16_sdk import __version__
 from fp16_sdk.errors import SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
-from fp16_sdk.toolkit.launcher import build_plan, wait_for_hosts
+from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
 from fp16_sdk.toolkit.process import run_process
 
 __all__ = ["main", "run_training", "failure_text"]
@@ -103,8 +103,10 @@ def run_training(environ: Mapping[str, str]) -> int:
         config = JobConfig.read(paths)
         _say(prepare_code(config.hyperparameters.get("sagemaker_submit_directory"),
                           paths.code, environ=environ))
-        if len(config.hosts) > 1:
-            wait_for_hosts(config.hosts, environ)
+        if len(config.hosts) > 1 and distribution_enabled(config.hyperparameters):
+            # torchrun's rendezvous needs only the master's address; waiting for every host
+            # would hang on a host whose container already finished and left the network DNS.
+            wait_for_hosts(config.hosts[:1], environ)
         num_gpus = count_gpus(environ)
         plan = build_plan(config, code_dir=paths.code, num_gpus=num_gpus, environ=environ)
         sm_env = build_env(config, paths=paths, num_cpus=count_cpus(), num_gpus=num_gpus,

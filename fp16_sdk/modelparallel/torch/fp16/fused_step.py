@@ -26,7 +26,7 @@ import torch
 
 from .master_params import HALF_DTYPES, FlatBucket
 
-__all__ = ["FusedStepper", "fused_kind", "FUSED_ENV"]
+__all__ = ["FusedStepper", "fused_kind", "triton_available", "FUSED_ENV"]
 
 FUSED_ENV = "SMP_FUSED_OPTIMIZER"
 _BLOCK, _WARPS = 1024, 4  # 8 elements a thread: 16-byte fp32 and 8-byte fp16 accesses
@@ -40,6 +40,11 @@ def _kernels():
     except ImportError:  # no Triton (CPU installs): the exact path runs
         return None
     return fused_kernels
+
+
+def triton_available() -> bool:
+    """Whether the fused kernels can be built here (Triton importable)."""
+    return _kernels() is not None
 
 
 def fused_kind(optimizer: torch.optim.Optimizer) -> str | None:
