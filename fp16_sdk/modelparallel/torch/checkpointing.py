@@ -41,8 +41,8 @@ from .checkpoint_files import MANIFEST, NEWEST, PLAN, IncompleteCheckpointError
 from .errors import CheckpointError
 from .state import state
 
-__all__ = ["save_checkpoint", "resume_from_checkpoint", "IncompleteCheckpointError",
-           "NEWEST", "PLAN", "MANIFEST"]
+__all__ = ["save_checkpoint", "resume_from_checkpoint", "apply_pending_resume",
+           "IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST"]
 
 log = logging.getLogger("smp.checkpoint")
 
@@ -285,8 +285,10 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
 
     RNG state and the step count are restored now; weights, fp32 masters, optimizer and
     loss-scaler state are applied at the first `smp.step` (after partitioning), or now when
-    the model already ran a step. Call it after creating the DistributedModel (and the
-    DistributedOptimizer, which may also be created later, before the first step).
+    the model already ran a step. The files are checked and read now, so a bad checkpoint
+    fails here. Called before the DistributedModel exists, the load waits in the runtime
+    state (`state.pending_resume`) and all of it, RNG state included, is applied at the
+    first `smp.step`; the DistributedOptimizer only has to exist by then.
 
     Args:
         path: the checkpoint folder.
@@ -307,16 +309,14 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     Raises:
         IncompleteCheckpointError: the save did not finish (names the missing files) or a file
             does not match the manifest.
-        CheckpointError: no such checkpoint, a different pp/tp layout, no DistributedModel.
+        CheckpointError: no such checkpoint, a different pp/tp layout; at the first step,
+            optimizer state to load and no DistributedOptimizer.
     """
     state.require_init("smp.resume_from_checkpoint")
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint path must be a folder name (str), got "
                               f"{type(path).__name__}")
     path = os.fspath(path)
-    if state.model is None:
-        raise CheckpointError("smp.resume_from_checkpoint needs the smp.DistributedModel: call "
-                              "it after model = smp.DistributedModel(...)")
     if not partial:
         return _resume_full(path, tag, strict, translate_function)
     folder, problem = _partial_folder(path, tag), None
@@ -326,15 +326,16 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
         manifest, problem = None, exc
     _agree(problem)
     records = manifest["files"]
-    rng_name = "rng_states_{}_{}_{}.pt".format(*_coords())
+    rng_name, rng = "rng_states_{}_{}_{}.pt".format(*_coords()), None
     if rng_name in records and manifest["world_size"] == state.topology.world_size:
-        _set_rng_state(files.load(os.path.join(folder, rng_name)))
+        rng = files.load(os.path.join(folder, rng_name))
     elif state.rank == 0:
         log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
                     "restored", folder, manifest["world_size"], state.topology.world_size)
     pending = _read_partial(folder, records, load_optimizer)
     _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
-                                                                     strict, load_optimizer))
+                                                                     strict, load_optimizer),
+                            rng=rng)
     user = os.path.join(folder, "user_content.pt")
     return files.load(user) if "user_content.pt" in records else None
 
@@ -384,10 +385,39 @@ def _read_partial(folder: str, records, load_optimizer: bool) -> dict:
     return pending
 
 
-def _apply_when_partitioned(apply) -> None:
-    """Run `apply(model, optimizer)` at the first step (post-partition hook), or now when the
-    model already ran its first step."""
+class _PendingResume:
+    """A resume called before the DistributedModel existed; `topology` tells which smp.init
+    it belongs to (a later init in the same process must not apply it)."""
+
+    def __init__(self, apply, rng):
+        self.topology, self.apply, self.rng = state.topology, apply, rng
+
+
+def apply_pending_resume() -> None:
+    """Apply a resume that waited for the model (smp.step calls it before every step;
+    nothing to do unless resume_from_checkpoint ran before smp.DistributedModel)."""
+    pending = getattr(state, "pending_resume", None)
+    if pending is None or state.model is None:
+        return
+    state.pending_resume = None
+    if pending.topology is not state.topology:
+        return
+    _apply_when_partitioned(pending.apply, rng=pending.rng)
+
+
+def _apply_when_partitioned(apply, *, rng: dict | None = None) -> None:
+    """Restore `rng` now and run `apply(model, optimizer)` at the first step (post-partition
+    hook), or now when the model already ran its first step. With no model yet, record both
+    in `state.pending_resume` for the first step (apply_pending_resume)."""
     model = state.model
+    if model is None:
+        if getattr(state, "pending_resume", None) is not None and state.rank == 0:
+            log.warning("smp.resume_from_checkpoint called twice before the DistributedModel "
+                        "exists; only the second load will be applied")
+        state.pending_resume = _PendingResume(apply, rng)
+        return
+    if rng is not None:
+        _set_rng_state(rng)
     if getattr(model, "_hooks_ran", False):
         apply(model, state.optimizer)
         return

@@ -9,6 +9,9 @@ microbatch unchanged, as are arguments named in `non_split_inputs`.
 Outputs: tensors (also nested in list/tuple/dict or a dict-like model output) become
 `StepOutput`s holding one tensor per microbatch; other values (Python scalars...) come back as
 per-microbatch lists; None stays None.
+
+Forward-only steps (evaluation, probes): a body may call `model(...)` without
+`model.backward(...)`; the rule is in `step`'s docstring.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from .checkpointing import apply_pending_resume
 from .errors import StepError
 from .state import state
 
@@ -204,6 +208,7 @@ class _StepFunction:
         mb_args = self._split_args(args, kwargs, num_mb)
         model = state.model
         if model is not None:
+            apply_pending_resume()  # a resume_from_checkpoint called before the model existed
             model._pre_step()
         state.in_step = True
         try:
@@ -216,6 +221,8 @@ class _StepFunction:
                     outputs.append(self.func(*a, **k))
             if model is not None:
                 model._post_step()
+                if model._pipeline_enabled:  # bodies that disagreed across stages: now that
+                    model._pipeline.raise_disagreement()  # the step's collectives are done
         finally:
             state.in_step = False
             state.microbatch = None
@@ -234,12 +241,23 @@ def step(func: Callable | None = None, *, non_split_inputs=None, input_split_axe
         input_split_axes: {argument name: batch axis}; default axis 0.
         detach_outputs: detach returned tensors (frees the graph after the step).
 
+    A step is forward-only (no backward, no gradient touched, no gradient reduction) when
+    the step function is called with gradients disabled (`torch.no_grad()`,
+    `torch.inference_mode()`), or when the body of microbatch 0 returns without calling
+    `model.backward(...)` (e.g. `model.eval()` validation, a probe returning logits). Every
+    microbatch of a step must then do the same; with pipeline_parallel_degree > 1 the body of
+    the last stage decides and the other stages follow it, and a stage whose body disagrees
+    finishes the step and raises StepError (no stage waits for the others). Bodies run in the
+    caller's grad mode; with pp > 1 the forwards that run after the step was found to be
+    forward-only build no autograd graph.
+
     Returns:
         The wrapped function; calling it returns the body's return value with tensors turned
         into StepOutput and other values into per-microbatch lists.
 
     Raises:
-        StepError: unknown argument names, a non-divisible batch, nested steps.
+        StepError: unknown argument names, a non-divisible batch, nested steps; with pp > 1,
+            model.backward() in a forward-only step, or microbatches that disagree about it.
     """
     def wrap(f: Callable) -> _StepFunction:
         return _StepFunction(f, non_split_inputs, input_split_axes, detach_outputs)

@@ -212,8 +212,9 @@ class FusedStepper:
         value = _f(old) if old is not None else 0.0
         group = self.optimizer.param_groups[group_index]
         on_device = group.get("fused") or group.get("capturable")
-        return torch.tensor(value, dtype=torch.float32,
-                            device=master.device if on_device else "cpu")
+        # torch.full, not torch.tensor: a fill kernel, no host-to-device copy (no sync).
+        return torch.full((), value, dtype=torch.float32,
+                          device=master.device if on_device else "cpu")
 
 
 def _view(flat: torch.Tensor, bucket: FlatBucket, i: int) -> torch.Tensor:

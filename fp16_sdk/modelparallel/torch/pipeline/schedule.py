@@ -23,6 +23,15 @@ Builders:
   warm-up forwards, then alternates one forward and one backward, then drains the backwards.
   At most `w_s + 1 <= active` microbatches are in flight on stage s.
 Both have the bubble `(p-1)/(m+p-1)` when active >= p (see simulate.py).
+
+Forward-only steps (evaluation; the rule is in step.py) have no B actions:
+- `forward_only_schedule(p, m)`: F0..F(m-1) on every stage, each non-last stage taking O(k)
+  once the last stage has had time to compute it (after its own F(k + p-1-s)); bubble
+  `(p-1)/(m+p-1)` in units of t_f.
+- `switch_to_forward_only(schedule)`: a training list that turns forward-only at its first
+  backward, which is B0 on every stage and list: B0 stays (its message carries the decision
+  upstream), every later B goes. Dropping actions only removes waits, and the outputs keep
+  their order on each channel; the simulator checks both lists anyway.
 """
 
 from __future__ import annotations
@@ -34,8 +43,8 @@ from ..errors import SMPConfigError
 
 __all__ = [
     "Kind", "Action", "Message", "Schedule", "F", "B", "O",
-    "simple_schedule", "interleaved_schedule", "build_schedule", "messages", "format_grid",
-    "run_actions",
+    "simple_schedule", "interleaved_schedule", "forward_only_schedule", "switch_to_forward_only",
+    "build_schedule", "messages", "format_grid", "run_actions",
 ]
 
 
@@ -85,10 +94,12 @@ class Schedule:
     """Per-stage action lists of one pipeline step.
 
     Attributes:
-        name: "simple" or "interleaved".
+        name: "simple", "interleaved", "forward", or a switched one's name.
         num_stages, num_microbatches: p and m.
         active_microbatches: the in-flight bound it was built for (None for simple).
         stages: stages[s] is stage s's tuple of actions, in execution order.
+        backwards: the microbatches that have a B action on every stage: all of them for a
+            training schedule, none when forward-only, (0,) once switched to forward-only.
     """
 
     name: str
@@ -96,6 +107,13 @@ class Schedule:
     num_microbatches: int
     active_microbatches: int | None
     stages: tuple[tuple[Action, ...], ...]
+    backwards: tuple[int, ...] | None = None  # None: every microbatch
+
+    @property
+    def backward_microbatches(self) -> tuple[int, ...]:
+        if self.backwards is None:
+            return tuple(range(self.num_microbatches))
+        return self.backwards
 
     def actions(self, stage: int) -> tuple[Action, ...]:
         return self.stages[stage]
@@ -213,6 +231,48 @@ def interleaved_schedule(p: int, m: int, active_microbatches: int | None = None)
                              key="active_microbatches", value=active)
     stages = [_one_f_one_b(p, m, s, active) for s in range(p)]
     return _finish("interleaved", p, m, active, stages)
+
+
+def forward_only_schedule(p: int, m: int) -> Schedule:
+    """Evaluation: F0..F(m-1) on every stage, no backward; outputs still reach every stage.
+
+    Stage s < p-1 takes O(k) right after its F(k + p-1-s): with equal forward costs the last
+    stage finishes F(k) exactly then, so the receive does not stall the stage's forwards
+    (taking O(k) right after F(k) would wait for the whole pipeline on every microbatch).
+
+    Raises:
+        SMPConfigError: p or m not a positive integer.
+    """
+    _check_sizes(p, m)
+    stages = []
+    for s in range(p):
+        lag = p - 1 - s  # forwards stage s runs while its F(k) travels to the last stage
+        actions: list[Action] = []
+        for i in range(m):
+            actions.append(F(i))
+            if s < p - 1:
+                actions.extend(O(k) for k in range(m) if min(k + lag, m - 1) == i)
+        stages.append(actions)
+    return Schedule("forward", p, m, None, tuple(tuple(a) for a in stages), backwards=())
+
+
+def switch_to_forward_only(schedule: Schedule) -> Schedule:
+    """`schedule` with every B but B0 dropped: what a training step runs once microbatch 0
+    turned out to be forward-only (engine.py decides at B0).
+
+    Raises:
+        ValueError: a stage whose first backward is not B0 (the decision point must be the
+            first backward everywhere, or a stage would decide after running another one).
+    """
+    stages = []
+    for s, actions in enumerate(schedule.stages):
+        first = next((a for a in actions if a.kind is Kind.BACKWARD), None)
+        if first is not None and first.mb != 0:
+            raise ValueError(f"stage {s} of the {schedule.name} schedule runs {first} before B0")
+        stages.append(tuple(a for a in actions if a.kind is not Kind.BACKWARD or a.mb == 0))
+    return Schedule(f"{schedule.name}, forward-only after B0", schedule.num_stages,
+                    schedule.num_microbatches, schedule.active_microbatches, tuple(stages),
+                    backwards=(0,))
 
 
 def build_schedule(name: str, p: int, m: int, active_microbatches: int | None = None) -> Schedule:

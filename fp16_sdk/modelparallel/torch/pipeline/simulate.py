@@ -8,7 +8,9 @@ simulator also checks that the k-th receive on a channel is the k-th send on it.
 
 With costs in units of (t_f + t_b) the ideal pipeline time is m (each stage does m forward and
 m backward passes); the simulated makespan of GPipe and 1F1B is (m + p - 1)(t_f + t_b), so the
-idle fraction of the p x makespan area is (p - 1)/(m + p - 1) (performance.md).
+idle fraction of the p x makespan area is (p - 1)/(m + p - 1) (performance.md). A forward-only
+schedule has makespan (m + p - 1) t_f and the same idle fraction. In-flight counts microbatches
+forwarded and not yet backpropagated; one without a B action counts only during its forward.
 """
 
 from __future__ import annotations
@@ -60,14 +62,16 @@ def _cost(action: Action, t_f: float, t_b: float) -> float:
 
 def _check_coverage(schedule: Schedule) -> None:
     p, m = schedule.num_stages, schedule.num_microbatches
+    backwards = schedule.backward_microbatches
     for s, actions in enumerate(schedule.stages):
-        want = {(Kind.FORWARD, i) for i in range(m)} | {(Kind.BACKWARD, i) for i in range(m)}
+        want = {(Kind.FORWARD, i) for i in range(m)} | {(Kind.BACKWARD, i) for i in backwards}
         if s < p - 1:
             want |= {(Kind.RECV_OUTPUT, i) for i in range(m)}
         got = [(a.kind, a.mb) for a in actions]
         if len(got) != len(set(got)) or set(got) != want:
-            raise ScheduleError(f"stage {s} must run every F, B (and O on non-last stages) "
-                                f"exactly once for microbatches 0..{m - 1}; it has {list(actions)}")
+            raise ScheduleError(f"stage {s} must run every F (and O on non-last stages) for "
+                                f"microbatches 0..{m - 1} and B for {list(backwards)}, each "
+                                f"exactly once; it has {list(actions)}")
         done_f = set()
         for a in actions:
             if a.kind is Kind.FORWARD:
@@ -96,6 +100,7 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0) -> Simul
     """
     _check_coverage(schedule)
     p = schedule.num_stages
+    backwards = set(schedule.backward_microbatches)
     pos = [0] * p
     clock = [0.0] * p
     channel: dict[tuple[int, int], list[tuple[str, int, float]]] = defaultdict(list)  # sends
@@ -127,6 +132,8 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0) -> Simul
             if action.kind is Kind.FORWARD:
                 in_flight[s] += 1
                 max_in_flight[s] = max(max_in_flight[s], in_flight[s])
+                if action.mb not in backwards:  # no backward follows: nothing is kept
+                    in_flight[s] -= 1
             elif action.kind is Kind.BACKWARD:
                 in_flight[s] -= 1
             timeline.append(Event(s, action, ready, end))
