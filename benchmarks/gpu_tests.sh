@@ -21,7 +21,8 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOG="$OUT/bench.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG"
-python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, 'triton', triton.__version__)" | tee -a "$LOG"
+python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)" | tee -a "$LOG"
+python3 -c "import triton; print(\"triton\", triton.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
 
 status=0
 OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests/test_loss_scaler.py tests/test_fp16_optimizer.py \

@@ -97,7 +97,8 @@ def _eval_case(rank, world, schedule):
     report["forward_only"] = model._pipeline.last_step_forward_only
     report["eval_err"] = {}
     for kind, (logits, losses) in evals.items():
-        err = (logits.concat() - want_logits).abs().max().item()
+        got = logits.concat()
+        err = (got - want_logits).abs().max().item() if got.shape == want_logits.shape else 1.0
         if losses is not None:
             err = max(err, max(abs(float(a) - float(b)) for a, b in zip(losses, want_losses)))
         report["eval_err"][kind] = err
@@ -160,3 +161,69 @@ def test_pp2_eval_steps_match_single_process_and_leave_training_alone(schedule):
         "model.backward(...) and the last stage's called it")
     assert "microbatch 3 returned without calling model.backward(...) in a training step" \
         in first["last_stage_only"]
+
+
+def _tp_case(rank, world):
+    """pp=2 x tp=2: DistributedTransformerLMHead (LM head tied across the stages)."""
+    import smdistributed.modelparallel.torch as smp
+    from fp16_sdk.modelparallel.torch import nn as snn
+    from test_pipeline_tp import LM, _batch as lm_batch, _reference_step, _rows
+    import test_pipeline_tp
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
+              "microbatches": test_pipeline_tp.MB, "pipeline": "interleaved"})
+    torch.manual_seed(0)
+    ref = snn.DistributedTransformerLMHead(**LM, tp_context=snn.TPContext())
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        model = smp.DistributedModel(snn.DistributedTransformerLMHead(**LM))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    per = test_pipeline_tp.BATCH // smp.dp_size()
+    rows_of_rank = [slice(d * per, (d + 1) * per) for d in range(smp.dp_size())]
+
+    @smp.step
+    def train(model, ids):
+        loss, _ = model((ids, None, None, None, ids))
+        model.backward(loss)
+        return loss
+
+    @smp.step
+    def logits_of(model, ids):
+        out = model((ids, None, None, None, None))
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def train_and_compare(step):
+        ids = lm_batch(step)
+        want = _reference_step(ref, ids, rows_of_rank)[smp.dp_rank()]
+        opt.zero_grad(set_to_none=True)
+        got = [float(x) for x in train(model, ids[_rows(smp)]).outputs]
+        opt.step()
+        ref_opt.step()
+        return max(abs(a - b) for a, b in zip(got, want))
+
+    report = {"train_err": [train_and_compare(0)]}
+    grads = _grads(model)
+    ids = lm_batch(1)[_rows(smp)]
+    with torch.no_grad():
+        out = ref((ids, None, None, None, None))
+        want = out[0] if isinstance(out, (tuple, list)) else out
+        got_declared = logits_of(model, ids).concat()
+    model.eval()
+    got_decided = logits_of(model, ids).concat()
+    model.train()
+    report["eval_err"] = [(got - want).abs().max().item() if got.shape == want.shape else 1.0
+                          for got in (got_declared, got_decided)]
+    report["grads_untouched"] = _same(grads, _grads(model))
+    report["train_err"].append(train_and_compare(2))
+    full = model.state_dict()
+    report["weight_err"] = max((full[k] - v).abs().max().item()
+                               for k, v in ref.state_dict().items())
+    return report
+
+
+@pytest.mark.slow  # world 4: about 25 s on a 2-core machine
+def test_pp2_tp2_eval_matches_single_process():
+    for r in run_ranks(_tp_case, 4, timeout=300):
+        assert max(r["train_err"]) <= 1e-5 and max(r["eval_err"]) <= 1e-5, r
+        assert r["grads_untouched"] and r["weight_err"] <= 1e-5, r

@@ -6,8 +6,8 @@ import pytest
 
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.modelparallel.torch.pipeline.schedule import (
-    B, F, O, Schedule, build_schedule, format_grid, interleaved_schedule, messages,
-    simple_schedule)
+    B, F, O, Schedule, build_schedule, format_grid, forward_only_schedule, interleaved_schedule,
+    messages, simple_schedule, switch_to_forward_only)
 from fp16_sdk.modelparallel.torch.pipeline.simulate import (
     ScheduleError, check_schedule, simulate)
 
@@ -115,3 +115,46 @@ def test_bad_sizes_name_the_key(bad):
         bad()
     assert info.value.key in {"pipeline", "pipeline_parallel_degree", "microbatches",
                               "active_microbatches"}
+
+
+# ---- forward-only steps (evaluation) ---------------------------------------------------------
+@pytest.mark.parametrize("p,m", SIZES)
+def test_forward_only_is_deadlock_free_with_the_forward_bubble(p, m):
+    schedule = forward_only_schedule(p, m)
+    assert all(a.kind.value != "B" for stage in schedule.stages for a in stage)
+    result = check_schedule(schedule)  # every F, every O on non-last stages, channel order
+    # only forwards: makespan (m+p-1) t_f, idle (p-1)/(m+p-1), nothing held after a forward
+    assert result.makespan == m + p - 1 and max(result.max_in_flight) == 1
+    assert Fraction(result.idle_fraction).limit_denominator(1000) == Fraction(p - 1, m + p - 1)
+    # the O receives never hold a forward back: stage s runs F(k) at time s + k
+    for e in result.timeline:
+        if e.action.kind.value == "F":
+            assert e.start == e.stage + e.action.mb, e
+
+
+def test_forward_only_lists_by_hand():
+    s = forward_only_schedule(2, 3)
+    assert s.stages[1] == (F(0), F(1), F(2))
+    assert s.stages[0] == (F(0), F(1), O(0), F(2), O(1), O(2))
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+@pytest.mark.parametrize("name", ["simple", "interleaved"])
+def test_switch_to_forward_only_at_b0_is_deadlock_free(name, p, m):
+    for active in (1, 2, p, p + 2):
+        train = build_schedule(name, p, m, active)
+        switched = switch_to_forward_only(train)
+        for s, (before, after) in enumerate(zip(train.stages, switched.stages)):
+            cut = before.index(B(0)) + 1  # the engine switches lists right after B0
+            assert after[:cut] == before[:cut]
+            assert after[cut:] == tuple(a for a in before[cut:] if a.kind.value != "B")
+        check_schedule(switched)  # B0's marker and the outputs keep their channel order
+        if active >= p:  # with a free B0 (it only passes the marker) no bubble is added
+            assert simulate(switched, t_f=1, t_b=0).makespan == m + p - 1
+
+
+def test_switch_needs_b0_first():
+    odd = Schedule("odd", 2, 2, None, ((F(0), F(1), O(0), O(1), B(1), B(0)),
+                                       (F(0), F(1), B(1), B(0))))
+    with pytest.raises(ValueError, match="stage 0 of the odd schedule runs B1 before B0"):
+        switch_to_forward_only(odd)

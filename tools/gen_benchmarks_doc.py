@@ -53,8 +53,10 @@ def fp16_section() -> list[str]:
                          f"({_fmt(a.get('opt_step_floor_ms'), '.2f')}) | "
                          f"{_fmt(a.get('opt_step_over_floor'), '.2f')} | "
                          f"{_fmt(a.get('final_loss'), '.4f')} |")
-        for key, text in (r.get("ratios") or {}).items():
-            lines.append(f"\n{key}: {_fmt(text)}")
+        ratios = r.get("ratios") or {}
+        if ratios:
+            lines.append("")
+            lines += [f"- {key.replace('_', ' ')}: {_fmt(v, '.4f')}" for key, v in ratios.items()]
         lines.append("")
     return lines
 

@@ -7,17 +7,12 @@ the communication: F runs the stage's part of the forward, O takes the model out
 last stage and hands them to the body, B runs the stage's backward. So bodies run once per
 microbatch as scripts expect, while stages overlap in time as the schedule says.
 
-Stage execution: every stage calls the whole model's forward; the partition's blocks are
-patched so that on stage s a block of an earlier stage returns the activation received from
-s-1 (the output of s-1's last block), s's own blocks compute, and after s's last block the
-forward stops (s < p-1) with that output as the stage's activation. Modules before the blocks
-(embeddings) run under no_grad on stages > 0, so their results, replaced by the received
-activation, cost no graph. Supported model shape: the forward calls the blocks in list order,
-each block's output feeding the next (nanoGPT, HF GPT-2, smp.nn.DistributedTransformer).
+Stage execution (stage_forward.py): every stage calls the whole model's forward, its blocks
+patched so that only this stage's part computes.
 
 Forward-only steps (the rule is in step.py's `step` docstring): declared ones (gradients off
 when the step is called) run `forward_only_schedule`; otherwise every stage runs the training
-list and decides at its first action B0, which is the same on every stage: the last stage
+list and decides at B0, the first backward of every stage's list: the last stage
 looks at its own microbatch 0 (did the body call model.backward?), and the message that B0
 sends upstream, the gradient or a `None` marker in its place, carries that decision stage by
 stage, so all stages switch (`switch_to_forward_only`) or none does; nothing can wait for a
@@ -47,20 +42,12 @@ from .p2p import TensorChannel, flatten
 from .partition import Partition, auto_partition, manual_partition
 from .schedule import (Kind, build_schedule, forward_only_schedule, run_actions,
                        switch_to_forward_only)
+from .stage_forward import StageForward
 from .stage_params import broadcast_from, find_tied, mark_stages, release_other_stages
 
 __all__ = ["PipelineEngine", "PipelineSettings"]
 
 log = logging.getLogger("smp.pipeline")
-
-
-class _StageDone(BaseException):
-    """Unwinds the model's forward after this stage's last block (not an Exception on purpose:
-    user code that catches Exception must not swallow it)."""
-
-    def __init__(self, value):
-        super().__init__()
-        self.value = value
 
 
 class PipelineSettings:
@@ -106,12 +93,6 @@ class _Slot:
         self.stage_output: Any = None                  # this stage's activation (s < p-1)
 
 
-class _Forward:
-    def __init__(self, received):
-        self.received = received
-        self.reached_blocks = False
-
-
 class PipelineEngine:
     """Partitions `model.module` at construction and executes steps.
 
@@ -137,7 +118,8 @@ class PipelineEngine:
         broadcast_from(self.module, s.pp_ranks[0], s.group)  # tied copies start equal
         self._tied = find_tied(self.module, self.partition, self.stage)
         self.freed_numel = release_other_stages(self.module, self.partition, self.stage)
-        self._install_wrappers()
+        self._stage_forward = StageForward(self.module, self.partition, self.stage,
+                                           s.num_stages)
         self.schedule = build_schedule(s.schedule, s.num_stages, s.microbatches,
                                        s.active_microbatches)
         self.switched_schedule = switch_to_forward_only(self.schedule)
@@ -149,47 +131,10 @@ class PipelineEngine:
         self._slots: list[_Slot] = []
         self._cv = threading.Condition()
         self._local = threading.local()
-        self._forward: _Forward | None = None
         self._abort: BaseException | None = None
         self._checked_signature = None
         if s.rank == 0:
             log.info(self.partition.describe(self.module))
-
-    # ---- partition-time setup -----------------------------------------------------------------
-    def _install_wrappers(self) -> None:
-        part, stage = self.partition, self.stage
-        own = [i for i, s in enumerate(part.block_stage) if s == stage]
-        last_own = own[-1]
-        for i, owner in enumerate(part.block_stage):
-            block = self.module.get_submodule(part.block_name(i))
-            block.forward = self._block_forward(block.forward, owner, i == last_own)
-        if stage > 0:
-            for name in part.pre:
-                sub = self.module.get_submodule(name)
-                sub.forward = self._pre_forward(sub.forward)
-
-    def _block_forward(self, original, owner: int, ends_stage: bool):
-        def forward(*args, **kwargs):
-            ctx = self._forward
-            if ctx is None:
-                return original(*args, **kwargs)
-            ctx.reached_blocks = True
-            if owner < self.stage:
-                return ctx.received
-            out = original(*args, **kwargs)
-            if ends_stage and self.stage < self.last:
-                raise _StageDone(out)
-            return out
-        return forward
-
-    def _pre_forward(self, original):
-        def forward(*args, **kwargs):
-            ctx = self._forward
-            if ctx is not None and not ctx.reached_blocks:
-                with torch.no_grad():
-                    return original(*args, **kwargs)
-            return original(*args, **kwargs)
-        return forward
 
     # ---- local views --------------------------------------------------------------------------
     def local_module_names(self) -> list[str]:
@@ -265,17 +210,14 @@ class PipelineEngine:
                 slot.received_leaves = [t.requires_grad_(True) for t in leaves
                                         if t.is_floating_point()]
         args, kwargs = slot.request
-        self._forward = _Forward(received)
-        try:
-            with torch.set_grad_enabled(slot.grad_enabled and training):
-                out = self.model._forward_module(*args, **kwargs)
-        except _StageDone as done:
+        with torch.set_grad_enabled(slot.grad_enabled and training):
+            is_output, out = self._stage_forward.run(self.model._forward_module, args, kwargs,
+                                                     received)
+        if not is_output:
             if training:
-                slot.stage_output = done.value
-            self.channel.send(done.value, self.settings.pp_ranks[self.stage + 1])
+                slot.stage_output = out
+            self.channel.send(out, self.settings.pp_ranks[self.stage + 1])
             return
-        finally:
-            self._forward = None
         for dst in self.settings.pp_ranks[:-1]:
             self.channel.send(out, dst)
         self._deliver(slot, out)
