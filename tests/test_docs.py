@@ -17,3 +17,9 @@ def test_benchmarks_page_matches_the_json_results():
     gen = _tool("gen_benchmarks_doc")
     assert (ROOT / "docs" / "benchmarks.md").read_text() == gen.render(), \
         "docs/benchmarks.md is stale: run python3 tools/gen_benchmarks_doc.py"
+
+
+def test_runtime_api_page_matches_the_smp_namespace():
+    gen = _tool("gen_api_docs")
+    assert (ROOT / "docs" / "runtime-api.md").read_text() == gen.render(), \
+        "docs/runtime-api.md is stale: run python3 tools/gen_api_docs.py"

@@ -129,11 +129,11 @@ def main():
     if args.full_tag:
         smp.save_checkpoint(ckpt, tag=args.full_tag, partial=False, model=model,
                             user_content={"step": args.steps})
-    if smp.pp_size() == 1:  # the pipeline engine runs no step without a backward (yet)
-        model.eval()
-        probe = batch(10_000, args, device)[0]  # the same rows on every rank of a data shard
+    model.eval()
+    probe = batch(10_000, args, device)[0]  # the same rows on every rank of a data shard
+    with torch.no_grad():
         logits = eval_step(model, probe).concat()
-        hist["probe_ids"], hist["probe_logits"] = probe.tolist(), logits.float().tolist()
+    hist["probe_ids"], hist["probe_logits"] = probe.tolist(), logits.float().tolist()
     full = model.state_dict()
     if smp.rank() == 0:
         hist["final_loss_scale"] = float(opt.loss_scale)

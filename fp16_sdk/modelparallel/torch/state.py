@@ -43,6 +43,7 @@ class RuntimeState:
         self.local_size = 1
         self.model: Any = None
         self.optimizer: Any = None
+        self.pending_resume: Any = None  # resume_from_checkpoint called before the model existed
         self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self.creation_dtype: Any = None
         self.in_step = False

@@ -244,8 +244,8 @@ class PipelineEngine:
             self.channel.send(None, self.settings.pp_ranks[self.stage - 1])  # the marker
         with self._cv:
             self._forward_only = True
-            self._forward_only_why = ("the step body of microbatch 0 returned without calling "
-                                      "model.backward(...)")
+            self._forward_only_why = ("on the last pipeline stage the step body of microbatch 0 "
+                                      "returned without calling model.backward(...)")
             for other in self._slots:  # no backward will use them
                 other.stage_output, other.received_leaves = None, []
             self._cv.notify_all()
