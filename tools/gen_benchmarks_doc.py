@@ -31,8 +31,12 @@ def fp16_section() -> list[str]:
         return ["No GPU results yet."]
     m = d["meta"]
     lines = [f"Machine: {m.get('gpu')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), Python "
-             f"{m.get('python')}. MFU = tokens/s x ({m.get('flops_per_token')}) / "
-             f"{m.get('peak_flops', 989e12) / 1e12:.0f} TFLOP/s. Optimizer step: "
+             f"{m.get('python')}. MFU = tokens/s x (6*N + 12*L*h*s) / "
+             f"{m.get('peak_flops', 989e12) / 1e12:.0f} TFLOP/s, with N counted two ways: "
+             "**MFU** counts the tied token embedding, which is also the LM head's weight and so "
+             "does real matmul work (nanoGPT's estimate_mfu convention; the issue's anchors, e.g. "
+             "52.5k tokens/s = 48% at 1.3B, use it); **MFU excl. emb.** leaves out both "
+             f"embedding tables ({m.get('flops_per_token')}). Optimizer step: "
              f"{m.get('opt_step')}; floor = 28 B/param / 4.3 TB/s.",
              "", "Command: `bash benchmarks/gpu_tests.sh` on the accelerator machine "
              "(`python3 benchmarks/fp16_gpu.py --preset 1.3b`).", ""]
@@ -44,10 +48,12 @@ def fp16_section() -> list[str]:
         lines += [title, "", f"{r['params_total'] / 1e6:.0f}M parameters "
                   f"({r['params_non_embedding'] / 1e6:.0f}M without embeddings), "
                   f"{r['steps']} timed steps after {r['warmup']} warm-up.", "",
-                  "| arm | tokens/s | MFU | peak GiB | opt step ms | x floor | final loss |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| arm | tokens/s | MFU | MFU excl. emb. | peak GiB | opt step ms (floor) | "
+                  "x floor | final loss |", "|---|---|---|---|---|---|---|---|"]
         for a in r["arms"]:
-            lines.append(f"| {a['arm']} | {a['tokens_per_s']:,.0f} | {a['mfu']:.1%} | "
+            lmh = a.get("mfu_with_lm_head")
+            lines.append(f"| {a['arm']} | {a['tokens_per_s']:,.0f} | "
+                         f"{'–' if lmh is None else format(lmh, '.1%')} | {a['mfu']:.1%} | "
                          f"{_fmt(a.get('peak_mem_gib'), '.1f')} | "
                          f"{_fmt(a.get('opt_step_ms_median'), '.2f')} "
                          f"({_fmt(a.get('opt_step_floor_ms'), '.2f')}) | "
