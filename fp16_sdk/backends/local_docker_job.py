@@ -61,6 +61,7 @@ class DockerJob(JobHandle):
         self._client, self._stop_timeout, self._keep = client, stop_timeout, keep_job_dir
         self._store = checkpoint_store
         self._lines: list[str] = []
+        self._times: list[float] = []  # arrival time of each line (metrics timestamps)
         self._cond = threading.Condition()
         self._exits: "queue.Queue[tuple[str, int | None, str]]" = queue.Queue()
         self._done = threading.Event()
@@ -100,6 +101,7 @@ class DockerJob(JobHandle):
     def _add(self, line: str) -> None:
         with self._cond:
             self._lines.append(line)
+            self._times.append(time.time())
             self._cond.notify_all()
 
     def _read(self, host: str, container: Any) -> None:
@@ -288,6 +290,10 @@ class DockerJob(JobHandle):
     def log_lines(self) -> list[str]:
         with self._cond:
             return list(self._lines)
+
+    def log_records(self) -> list[tuple[float, str]]:
+        with self._cond:
+            return list(zip(self._times, self._lines))
 
     @property
     def status(self) -> JobStatus:
