@@ -21,7 +21,10 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -29,7 +32,7 @@ from fp16_sdk.backends.base import Channel, JobSpec
 
 __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
            "checkpoint_store", "read_failure", "collect_artifacts", "remove_hosts",
-           "final_metrics"]
+           "final_metrics", "JobLog"]
 
 log = logging.getLogger(__name__)
 
@@ -236,3 +239,51 @@ def final_metrics(lines: Iterable[str], metric_definitions) -> list[dict]:
     """FinalMetricDataList: the last value each metric's Regex captured in the logs."""
     from fp16_sdk.metrics import parse_metrics
     return parse_metrics(list(lines), metric_definitions).final()
+
+
+class JobLog:
+    """Every log line of a local job with its arrival time; followers wait on it.
+
+    Reader threads `add` lines; `close` marks the job's end so followers return.
+    """
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._times: list[float] = []
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def add(self, line: str) -> None:
+        with self._cond:
+            self._lines.append(line)
+            self._times.append(time.time())
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def lines(self) -> list[str]:
+        with self._cond:
+            return list(self._lines)
+
+    def records(self) -> list[tuple[float, str]]:
+        with self._cond:
+            return list(zip(self._times, self._lines))
+
+    def follow(self, *, start: int = 0, show: bool = True) -> int:
+        """Print lines from `start` as they arrive until the log is closed; the end cursor."""
+        cursor = start
+        while True:
+            with self._cond:
+                while cursor == len(self._lines) and not self._closed:
+                    self._cond.wait(0.25)
+                new, cursor = self._lines[cursor:], len(self._lines)
+                finished = self._closed
+            if show and new:
+                sys.stdout.write("".join(line + "\n" for line in new))
+                sys.stdout.flush()
+            if finished and cursor == len(self._lines):
+                return cursor
+

@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 import weakref
@@ -60,9 +59,7 @@ class DockerJob(JobHandle):
         self.containers: dict[str, Any] = {}
         self._client, self._stop_timeout, self._keep = client, stop_timeout, keep_job_dir
         self._store = checkpoint_store
-        self._lines: list[str] = []
-        self._times: list[float] = []  # arrival time of each line (metrics timestamps)
-        self._cond = threading.Condition()
+        self._log = lc.JobLog()
         self._exits: "queue.Queue[tuple[str, int | None, str]]" = queue.Queue()
         self._done = threading.Event()
         self._status = JobStatus.IN_PROGRESS
@@ -94,15 +91,13 @@ class DockerJob(JobHandle):
         self._remove_folders()
         self._status = JobStatus.STOPPED if self._status == JobStatus.IN_PROGRESS else self._status
         self._done.set()
+        self._log.close()
         _LIVE.discard(self)
 
     # ---- threads -----------------------------------------------------------------------
 
     def _add(self, line: str) -> None:
-        with self._cond:
-            self._lines.append(line)
-            self._times.append(time.time())
-            self._cond.notify_all()
+        self._log.add(line)
 
     def _read(self, host: str, container: Any) -> None:
         """Stream one container's log line by line, then report how it exited."""
@@ -155,8 +150,7 @@ class DockerJob(JobHandle):
                 self._end_time = self._end_time or _now()
                 self._done.set()
                 _LIVE.discard(self)
-                with self._cond:
-                    self._cond.notify_all()
+                self._log.close()
 
     def _finish(self, exits: dict[str, tuple[int | None, str]]) -> None:
         """All hosts have exited: collect artifacts, settle the status, clean up."""
@@ -243,21 +237,6 @@ class DockerJob(JobHandle):
 
     # ---- JobHandle ---------------------------------------------------------------------
 
-    def _follow(self, *, start: int, show: bool) -> int:
-        """Print lines from `start` as they arrive until the job has ended; the end cursor."""
-        cursor = start
-        while True:
-            with self._cond:
-                while cursor == len(self._lines) and not self._done.is_set():
-                    self._cond.wait(0.25)
-                new, cursor = self._lines[cursor:], len(self._lines)
-                finished = self._done.is_set()
-            if show and new:
-                sys.stdout.write("".join(line + "\n" for line in new))
-                sys.stdout.flush()
-            if finished and cursor == len(self._lines):
-                return cursor
-
     def wait(self, logs: bool | str = True) -> None:
         """Block until the job ends, printing its logs unless `logs` is False/"None".
 
@@ -266,7 +245,7 @@ class DockerJob(JobHandle):
             KeyboardInterrupt: after stopping the job and removing everything it created.
         """
         try:
-            self._shown = self._follow(start=self._shown, show=logs not in (False, "None"))
+            self._shown = self._log.follow(start=self._shown, show=logs not in (False, "None"))
         except KeyboardInterrupt:
             self.stop()
             raise
@@ -277,7 +256,7 @@ class DockerJob(JobHandle):
 
     def logs(self) -> None:
         """Print every log line so far, then follow until the job ends."""
-        self._shown = max(self._shown, self._follow(start=0, show=True))
+        self._shown = max(self._shown, self._log.follow(start=0, show=True))
 
     def stop(self) -> None:
         """Stop every container (SIGTERM, SIGKILL after stop_timeout) and clean up."""
@@ -288,12 +267,10 @@ class DockerJob(JobHandle):
         self._done.wait()
 
     def log_lines(self) -> list[str]:
-        with self._cond:
-            return list(self._lines)
+        return self._log.lines()
 
     def log_records(self) -> list[tuple[float, str]]:
-        with self._cond:
-            return list(zip(self._times, self._lines))
+        return self._log.records()
 
     @property
     def status(self) -> JobStatus:

@@ -110,9 +110,7 @@ class LocalProcessJob(JobHandle):
         self._procs: dict[str, subprocess.Popen] = {}
         self._trees: list[lc.HostTree] = []
         self._readers: list[threading.Thread] = []
-        self._lines: list[str] = []
-        self._times: list[float] = []  # arrival time of each line (metrics timestamps)
-        self._cond = threading.Condition()
+        self._log = lc.JobLog()
         self._status = JobStatus.IN_PROGRESS
         self._stop_requested = threading.Event()
         self._done = threading.Event()
@@ -165,10 +163,7 @@ class LocalProcessJob(JobHandle):
     def _read(self, host: str, proc: subprocess.Popen) -> None:
         for raw in iter(proc.stdout.readline, b""):
             line = f"{host} | {raw.decode(errors='replace').rstrip()}"
-            with self._cond:
-                self._lines.append(line)
-                self._times.append(time.time())
-                self._cond.notify_all()
+            self._log.add(line)
         proc.stdout.close()
 
     # ---- supervising -------------------------------------------------------------------
@@ -231,9 +226,8 @@ class LocalProcessJob(JobHandle):
                 lc.remove_hosts(self.spec)
         self._end_time = dt.datetime.now(dt.timezone.utc)
         _LIVE.discard(self)
-        with self._cond:
-            self._done.set()
-            self._cond.notify_all()
+        self._done.set()
+        self._log.close()
 
     def _failure(self, host: str | None, reason: str | None) -> TrainingJobFailedError:
         if host is None:
@@ -243,27 +237,13 @@ class LocalProcessJob(JobHandle):
         if failure is not None:
             code, text = failure
             return TrainingJobFailedError(self.name, host=host, exit_code=code, reason=text)
-        tail = [ln for ln in self._lines if ln.startswith(f"{host} | ")][-20:]
+        tail = [ln for ln in self._log.lines() if ln.startswith(f"{host} | ")][-20:]
         code = self._exit_codes.get(host)
         return TrainingJobFailedError(
             self.name, host=host, exit_code=code,
             reason="the toolkit wrote no failure file; last output:\n" + "\n".join(tail))
 
     # ---- the JobHandle interface -------------------------------------------------------
-
-    def _follow(self, show: bool) -> None:
-        index = 0
-        while True:
-            with self._cond:
-                while index >= len(self._lines) and not self._done.is_set():
-                    self._cond.wait(timeout=0.2)
-                new, index = self._lines[index:], len(self._lines)
-                finished = self._done.is_set()
-            if show:
-                for line in new:
-                    print(line, flush=True)
-            if finished and index >= len(self._lines):
-                return
 
     def wait(self, logs: bool | str = True) -> None:
         """Block until the job ends, printing its log lines unless logs is False/"None".
@@ -274,7 +254,7 @@ class LocalProcessJob(JobHandle):
             TrainingJobFailedError: a host failed (host, exit code, failure-file text).
         """
         try:
-            self._follow(show=logs not in (False, "None"))
+            self._log.follow(show=logs not in (False, "None"))
         except KeyboardInterrupt:
             self.stop()
             raise
@@ -283,7 +263,7 @@ class LocalProcessJob(JobHandle):
 
     def logs(self) -> None:
         """Print every log line so far, then follow until the job ends."""
-        self._follow(show=True)
+        self._log.follow(show=True)
 
     def stop(self) -> None:
         """Stop every host; returns once no process of the job is left."""
@@ -294,12 +274,10 @@ class LocalProcessJob(JobHandle):
         self._done.wait()
 
     def log_lines(self) -> list[str]:
-        with self._cond:
-            return list(self._lines)
+        return self._log.lines()
 
     def log_records(self) -> list[tuple[float, str]]:
-        with self._cond:
-            return list(zip(self._times, self._lines))
+        return self._log.records()
 
     @property
     def status(self) -> JobStatus:
