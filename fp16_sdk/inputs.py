@@ -12,7 +12,8 @@ from pathlib import Path
 from fp16_sdk.backends.base import Channel
 from fp16_sdk.errors import ConfigError
 
-__all__ = ["TrainingInput", "channels_from_inputs", "DISTRIBUTIONS", "S3_DATA_TYPES", "INPUT_MODES"]
+__all__ = ["TrainingInput", "channels_from_inputs", "DISTRIBUTIONS", "S3_DATA_TYPES", "INPUT_MODES",
+           "data_source_config"]
 
 DISTRIBUTIONS = ("FullyReplicated", "ShardedByS3Key")
 S3_DATA_TYPES = ("S3Prefix", "ManifestFile", "AugmentedManifestFile")
@@ -75,20 +76,11 @@ class TrainingInput:
     @property
     def config(self) -> dict:
         """The channel as CreateTrainingJob's InputDataConfig entry (without ChannelName)."""
-        cfg: dict = {"DataSource": {"S3DataSource": {
-            "S3DataType": self.s3_data_type,
-            "S3Uri": self.s3_data,
-            "S3DataDistributionType": self.distribution,
-        }}}
-        if self.compression:
-            cfg["CompressionType"] = self.compression
-        if self.content_type:
-            cfg["ContentType"] = self.content_type
-        if self.record_wrapping:
-            cfg["RecordWrapperType"] = self.record_wrapping
-        if self.input_mode:
-            cfg["InputMode"] = self.input_mode
-        return cfg
+        return data_source_config(self.s3_data, s3_data_type=self.s3_data_type,
+                                  distribution=self.distribution, compression=self.compression,
+                                  content_type=self.content_type,
+                                  record_wrapping=self.record_wrapping,
+                                  input_mode=self.input_mode)
 
     def __repr__(self) -> str:
         return f"TrainingInput({self.s3_data!r}, distribution={self.distribution!r})"
@@ -165,3 +157,19 @@ def _channel(name: str, source, *, local: bool) -> Channel:
                    content_type=source.content_type, compression=source.compression,
                    record_wrapping=source.record_wrapping, s3_data_type=source.s3_data_type,
                    input_mode=source.input_mode)
+
+
+def data_source_config(uri: str, *, s3_data_type: str, distribution: str,
+                       compression: str | None = None, content_type: str | None = None,
+                       record_wrapping: str | None = None,
+                       input_mode: str | None = None) -> dict:
+    """One InputDataConfig entry of CreateTrainingJob (without ChannelName); optional keys only
+    when set."""
+    cfg: dict = {"DataSource": {"S3DataSource": {
+        "S3DataType": s3_data_type, "S3Uri": uri, "S3DataDistributionType": distribution}}}
+    for key, value in (("CompressionType", compression), ("ContentType", content_type),
+                       ("RecordWrapperType", record_wrapping), ("InputMode", input_mode)):
+        if value:
+            cfg[key] = value
+    return cfg
+

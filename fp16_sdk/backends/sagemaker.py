@@ -15,6 +15,7 @@ import time
 from typing import Any, TextIO
 
 from ..errors import BackendError, ConfigError, TrainingJobFailedError
+from ..inputs import data_source_config
 from ..session import Session, parse_s3_uri
 from .base import Backend, JobHandle, JobSpec, JobStatus
 from .cloudwatch import LogTailer
@@ -73,21 +74,10 @@ def check_remote_spec(spec: JobSpec) -> None:
 
 
 def _channel(channel: Any) -> dict:
-    entry: dict[str, Any] = {
-        "ChannelName": channel.name,
-        "DataSource": {"S3DataSource": {"S3DataType": channel.s3_data_type,
-                                        "S3Uri": channel.uri,
-                                        "S3DataDistributionType": channel.distribution}},
-    }
-    if channel.content_type:
-        entry["ContentType"] = channel.content_type
-    if channel.compression:
-        entry["CompressionType"] = channel.compression
-    if channel.record_wrapping:
-        entry["RecordWrapperType"] = channel.record_wrapping
-    if channel.input_mode:
-        entry["InputMode"] = channel.input_mode
-    return entry
+    return {"ChannelName": channel.name, **data_source_config(
+        channel.uri, s3_data_type=channel.s3_data_type, distribution=channel.distribution,
+        compression=channel.compression, content_type=channel.content_type,
+        record_wrapping=channel.record_wrapping, input_mode=channel.input_mode)}
 
 
 def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
