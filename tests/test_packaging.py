@@ -212,3 +212,10 @@ def test_packaging_imports_neither_torch_nor_boto3():
             "bad = [m for m in ('torch', 'boto3') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_smdistributed_modelparallel_has_version():
+    """AWS's examples and transformers read `smdistributed.modelparallel.__version__`."""
+    import smdistributed.modelparallel as smp_pkg
+    import fp16_sdk
+    assert smp_pkg.__version__ == fp16_sdk.__version__

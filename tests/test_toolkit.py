@@ -98,6 +98,7 @@ def test_build_env_matches_the_contract():
         "SM_MODULE_NAME": "train",
         "SM_MODULE_DIR": "s3://bucket/job-1/source/sourcedir.tar.gz",
         "SM_LOG_LEVEL": "20", "SM_NUM_CPUS": "8", "SM_NUM_GPUS": "4",
+        "SM_NUM_NEURONS": "0",
         "SM_CURRENT_INSTANCE_TYPE": "ml.p3.16xlarge",
         "SM_CURRENT_INSTANCE_GROUP": "homogeneousCluster",
         "SM_CURRENT_INSTANCE_GROUP_HOSTS": '["algo-2","algo-1"]',
@@ -143,6 +144,7 @@ def test_build_env_defaults_without_optional_fields():
     ({"mp_parameters": {"pipeline": "interleaved", "microbatches": 4, "ddp": True}},
      ["--mp_parameters", "ddp=True,microbatches=4,pipeline=interleaved"]),            # dict
     ({"dropout": None}, ["--dropout", ""]),                     # None
+    ({"do_train": "", "epochs": 2}, ["--do_train", "--epochs", "2"]),  # bare flag
     ({"flag": False, "ratio": 0.5}, ["--flag", "False", "--ratio", "0.5"]),
     ({"layers": [1, 2]}, ["--layers", "[1, 2]"]),
     ({}, []),

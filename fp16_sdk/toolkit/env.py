@@ -174,11 +174,14 @@ def _arg_text(value: Any) -> str:
 def to_cmd_args(mapping: Mapping[str, Any]) -> list[str]:
     """Hyperparameters as script arguments, sorted by key: `--key value`, `-k value` for
     one-letter keys; dicts flatten to `k=v,k2=v2`; None becomes ""; other values use str()
-    (so True is "True", as SageMaker passes it)."""
+    (so True is "True", as SageMaker passes it). An empty string passes the flag alone, as
+    SageMaker's toolkit does for a bare flag such as `"do_train": ""`."""
     args: list[str] = []
     for key in sorted(mapping):
         name = str(key)
-        args += [f"--{name}" if len(name) > 1 else f"-{name}", _arg_text(mapping[key])]
+        flag = f"--{name}" if len(name) > 1 else f"-{name}"
+        value = mapping[key]
+        args += [flag] if value == "" else [flag, _arg_text(value)]
     return args
 
 
@@ -240,6 +243,7 @@ def training_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: in
         "network_interface_name": rc.get("network_interface_name", "eth0"),
         "num_cpus": num_cpus,
         "num_gpus": num_gpus,
+        "num_neurons": 0,
         "output_data_dir": str(paths.output_data),
         "output_dir": str(paths.output),
         "output_intermediate_dir": str(paths.output_intermediate),
@@ -317,6 +321,7 @@ def _sm_fields(tenv: Mapping[str, Any], user_hps: Mapping[str, Any]) -> dict[str
         "output_dir": tenv["output_dir"],
         "num_cpus": tenv["num_cpus"],
         "num_gpus": tenv["num_gpus"],
+        "num_neurons": tenv["num_neurons"],
         "model_dir": tenv["model_dir"],
         "module_dir": tenv["module_dir"],
         "training_env": tenv,
