@@ -20,7 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 from .errors import ConfigError
 
@@ -44,6 +45,19 @@ class _Strict(BaseModel):
 
 class SMPParameters(_Strict):
     """smp v1 parameters (the `parameters` dict of `smdistributed.modelparallel`)."""
+
+    # True when the user wrote the pipeline degree as `partitions`: the hyperparameter keeps
+    # that name (Hugging Face's Trainer looks for "partitions" in SM_HP_MP_PARAMETERS).
+    _partitions_alias: bool = PrivateAttr(False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_partitions_name(cls, data: Any, handler: Any) -> "SMPParameters":
+        params = handler(data)
+        if (isinstance(data, Mapping) and "partitions" in data
+                and "pipeline_parallel_degree" not in data):
+            params._partitions_alias = True
+        return params
 
     pipeline_parallel_degree: int = Field(
         1, ge=1, alias="partitions",
@@ -145,7 +159,11 @@ class SMPParameters(_Strict):
 
     def to_hyperparameter(self) -> dict[str, Any]:
         """The `mp_parameters` hyperparameter: the keys the user set, under their own names."""
-        return self.model_dump(include=self.model_fields_set, by_alias=False)
+        hp = self.model_dump(include=self.model_fields_set, by_alias=False)
+        if self._partitions_alias and "pipeline_parallel_degree" in hp:
+            hp = {("partitions" if k == "pipeline_parallel_degree" else k): v
+                  for k, v in hp.items()}
+        return hp
 
 
 class MPIConfig(_Strict):

@@ -66,7 +66,7 @@ def test_hyperparameters_carry_mp_parameters_and_mpi_keys():
     assert cfg.hyperparameters() == {
         "sagemaker_mpi_enabled": True, "sagemaker_mpi_num_of_processes_per_host": 2,
         "sagemaker_mpi_custom_mpi_options": "-x A=1",
-        "mp_parameters": {"pipeline_parallel_degree": 2, "microbatches": 4, "fp16": True},
+        "mp_parameters": {"partitions": 2, "microbatches": 4, "fp16": True},  # as written
         "sagemaker_instance_type": "ml.p4d.24xlarge"}
 
 
@@ -119,3 +119,15 @@ def test_world_size_rule_shows_the_arithmetic():
 def test_config_imports_no_torch():
     code = "import fp16_sdk.config, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("given, key", [
+    ({"partitions": 2, "microbatches": 2}, "partitions"),
+    ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree"),
+])
+def test_mp_parameters_keep_the_users_name_for_the_pipeline_degree(given, key):
+    """Hugging Face's Trainer reads "partitions" from SM_HP_MP_PARAMETERS: keep the user's key."""
+    from fp16_sdk.config import SMPParameters, parse_mp_parameters
+    hp = SMPParameters.model_validate(given).to_hyperparameter()
+    assert list(hp) == list(given) and hp[key] == 2
+    assert parse_mp_parameters(hp).pipeline_parallel_degree == 2

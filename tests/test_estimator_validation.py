@@ -262,7 +262,7 @@ def test_hyperparameters_encoding_with_mp_parameters(workdir, recorder):
                                          "layers": [1, 2]}, distribution=SMP_OK)
     before = est.hyperparameters()
     assert json.loads(before.pop("mp_parameters")) == {
-        "pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True}
+        "partitions": 2, "microbatches": 4, "ddp": True}  # the user's own key names
     assert before == {"epochs": "3", "name": '"abc"', "lr": "0.5", "layers": "[1, 2]",
                       "sagemaker_mpi_enabled": "true",
                       "sagemaker_mpi_num_of_processes_per_host": "2",

@@ -148,8 +148,8 @@ def test_world4_contract_allreduce_and_artifacts(job, monkeypatch, capsys):
     monkeypatch.setenv("AWS_REGION", "eu-central-1")
     name = "e2e-world4"
     expect = {"job": name, "region": "eu-central-1", "hps": HPS, "smp": {
-        "pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True},
-        "mp_arg": ["pipeline_parallel_degree=2", "microbatches=2", "ddp=True"],
+        "partitions": 2, "microbatches": 2, "ddp": True},
+        "mp_arg": ["partitions=2", "microbatches=2", "ddp=True"],
         # contract §3: sorted keys, --key value, -k for one letter, dicts as k=v,k2=v2
         "argv": ["--epochs", "2", "--lr", "0.5", "--opts", "a=1,b=z", "-x", "3"]}
     est = job("dist_train.py", DIST_SCRIPT, hyperparameters=HPS, distribution=WORLD4,

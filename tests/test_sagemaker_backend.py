@@ -320,7 +320,7 @@ def test_pytorch_estimator_submits_through_this_backend(aws, tmp_path):
         "s3://out-bucket/est-job-1/source/sourcedir.tar.gz"
     assert hps["sagemaker_mpi_enabled"] is True
     assert hps["sagemaker_mpi_num_of_processes_per_host"] == 8
-    assert hps["mp_parameters"] == {"pipeline_parallel_degree": 2, "fp16": True}  # alias resolved
+    assert hps["mp_parameters"] == {"partitions": 2, "fp16": True}  # as the user wrote it
     assert described["InputDataConfig"][0]["DataSource"]["S3DataSource"]["S3Uri"] == \
         "s3://data-bucket/train"
     assert session.read_bytes(hps["sagemaker_submit_directory"]) is not None
