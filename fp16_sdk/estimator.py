@@ -324,6 +324,10 @@ class Estimator:
             raise _fail("input_mode", "Pipe", "is not available in local modes; use 'File'")
 
     def _validate_code(self) -> None:
+        if self.git_config is not None:
+            raise _fail("git_config", self.git_config, "is not supported yet: clone the "
+                        "repository (git clone --branch <b> <repo>) and pass entry_point / "
+                        "source_dir inside the clone")
         ep = self.entry_point
         if ep is None:
             raise _fail("entry_point", None, "is required: the path of your training script")
@@ -561,8 +565,10 @@ class Estimator:
         if not self._local or getattr(self, "_noted_local", False):
             return
         given = self._sagemaker_args().given()
-        given.update({k: getattr(self, k) for k, default in
-                      estimator_args.LOCAL_NO_EFFECT.items() if getattr(self, k) != default})
+        values = {k: getattr(self, k) for k in estimator_args.LOCAL_NO_EFFECT}
+        values["enable_network_isolation"] = self._enable_network_isolation  # also a method
+        given.update({k: v for k, v in values.items()
+                      if v != estimator_args.LOCAL_NO_EFFECT[k]})
         note = estimator_args.local_note(given)
         if note:
             logger.info(note)

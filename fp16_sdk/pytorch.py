@@ -31,7 +31,8 @@ from fp16_sdk.estimator import Estimator, base_name_from_image
 from fp16_sdk.estimator_args import V1_NAMES
 from fp16_sdk.image import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
-__all__ = ["PyTorch", "LOCAL_IMAGE_CPU", "LOCAL_IMAGE_GPU"]
+__all__ = ["PyTorch", "LOCAL_IMAGE_CPU", "LOCAL_IMAGE_GPU", "check_compiler_config",
+           "check_unknown_arguments", "warn_if_installed_differs"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,17 @@ _FRAMEWORK_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _COMMON = tuple(p for p in inspect.signature(Estimator.__init__).parameters
                 if p not in ("self", "image_uri", "entry_point", "source_dir", "hyperparameters",
                              "kwargs"))
+
+
+def warn_if_installed_differs(package: str, wanted: str | None, key: str) -> None:
+    """local_process runs what is installed here: say so when `key` asks for another minor."""
+    try:
+        installed = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if wanted and installed.split(".")[:2] != wanted.split(".")[:2]:
+        logger.warning("%s %s differs from the installed %s %s; local_process runs the "
+                       "installed one", key, wanted, package, installed)
 
 
 def check_compiler_config(compiler_config: Any) -> None:
@@ -90,6 +102,8 @@ class PyTorch(Estimator):
         image_uri: the training image (see the module docstring for defaults).
         distribution: {"smdistributed": {"modelparallel": {...}}, "mpi": {...}} or
             {"torch_distributed": {"enabled": True}}; unknown keys are errors.
+        compiler_config: SageMaker Training Compiler; only a disabled one is accepted.
+        training_recipe, recipe_overrides: HyperPod recipes; refused (script mode only).
         **common: the Estimator arguments (role, instance_count, instance_type, output_path...).
 
     Raises:
@@ -122,6 +136,10 @@ class PyTorch(Estimator):
             self._warn_version_mismatch()
 
     def _validate_framework(self) -> None:
+        self._validate_versions()
+        self._validate_image_and_distribution()
+
+    def _validate_versions(self) -> None:
         if self.image_uri is None and (self.framework_version is None or self.py_version is None):
             missing = "framework_version" if self.framework_version is None else "py_version"
             raise ConfigError(
@@ -137,6 +155,8 @@ class PyTorch(Estimator):
                                             or not _PY_VERSION.match(self.py_version)):
             raise ConfigError(f"py_version={self.py_version!r} must look like 'py3' or 'py310'",
                               key="py_version", value=self.py_version)
+
+    def _validate_image_and_distribution(self) -> None:
         if self.image_uri is not None and (not isinstance(self.image_uri, str) or not self.image_uri):
             raise ConfigError(f"image_uri={self.image_uri!r} must be an image name or URI",
                               key="image_uri", value=self.image_uri)
@@ -159,13 +179,10 @@ class PyTorch(Estimator):
         return tuple(int(p) for p in version.split(".")[:2]) >= (1, 3)
 
     def _warn_version_mismatch(self) -> None:
-        try:
-            installed = importlib.metadata.version("torch")
-        except importlib.metadata.PackageNotFoundError:
-            installed = None
-        if installed and installed.split(".")[:2] != self.framework_version.split(".")[:2]:
-            logger.warning("framework_version %s differs from the installed torch %s; "
-                           "local_process runs the installed one", self.framework_version, installed)
+        warn_if_installed_differs("torch", self.framework_version, "framework_version")
+        self._warn_version_mismatch_python()
+
+    def _warn_version_mismatch_python(self) -> None:
         here = f"py{sys.version_info.major}{sys.version_info.minor}"
         if self.py_version not in ("py3", here):
             logger.warning("py_version %s differs from this Python (%s); local_process runs "
