@@ -268,3 +268,19 @@ def test_disabled_compiler_config_is_accepted(script):
 
     est = notebook_style(script, distribution=None, compiler_config=Off())
     assert "sagemaker_training_compiler_enabled" not in est.hyperparameters()
+
+
+def test_configuration_page_lists_every_constructor_argument():
+    """docs/configuration.md's estimator table names each argument of the three constructors."""
+    import inspect
+    from pathlib import Path
+
+    from fp16_sdk.estimator import Estimator
+    from fp16_sdk.huggingface import HuggingFace
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    table = page.split("## Estimator arguments", 1)[1]
+    for cls in (Estimator, PyTorch, HuggingFace):
+        for name in inspect.signature(cls.__init__).parameters:
+            if name not in ("self", "kwargs", "common"):
+                assert f"`{name}`" in table, (cls.__name__, name)
