@@ -130,3 +130,15 @@ def test_default_base_job_name_without_image(script):
     est.fit(wait=False)
     assert est.latest_training_job.name.startswith("huggingface-pytorch-training-")
     est.latest_training_job.wait(logs=False)
+
+
+def test_import_does_not_import_torch_or_transformers():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, fp16_sdk.huggingface; "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, check=True)
+    assert out.stdout.strip() == "False False"
