@@ -18,6 +18,7 @@ Decisions (where SageMaker leaves room):
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -28,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk.backends.base import LOCAL_TYPES, JobHandle, JobSpec, backend_for
+from fp16_sdk import estimator_args
+from fp16_sdk.backends.base import LOCAL_TYPES, Channel, JobHandle, JobSpec, backend_for
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.inputs import INPUT_MODES, channels_from_inputs
+from fp16_sdk.inputs import INPUT_MODES, TrainingInput, channels_from_inputs
 
 __all__ = ["Estimator", "name_from_base", "base_name_from_image", "JOB_NAME_PATTERN"]
 
@@ -44,6 +46,7 @@ DEFAULT_REGION = "us-east-1"
 MAX_HYPERPARAMETERS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
 MAX_ENV, MAX_ENV_KEY, MAX_ENV_VALUE = 100, 512, 512
 MAX_METRICS, MAX_TAGS = 40, 50
+MAX_KEEP_ALIVE = 21600  # ResourceConfig.KeepAlivePeriodInSeconds
 
 
 def sagemaker_timestamp(moment: float | None = None) -> str:
@@ -155,7 +158,31 @@ class Estimator:
                  subnets: list | None = None, security_group_ids: list | None = None,
                  enable_network_isolation: bool = False,
                  keep_alive_period_in_seconds: int | None = None,
-                 backend_options: dict | None = None):
+                 volume_kms_key: str | None = None, output_kms_key: str | None = None,
+                 model_uri: str | None = None, model_channel_name: str = "model",
+                 encrypt_inter_container_traffic: bool | None = None, rules: list | None = None,
+                 debugger_hook_config: Any = None, tensorboard_output_config: Any = None,
+                 enable_sagemaker_metrics: bool | None = None, profiler_config: Any = None,
+                 disable_profiler: bool | None = None, max_retry_attempts: int | None = None,
+                 git_config: dict | None = None, instance_groups: list | None = None,
+                 training_repository_access_mode: str | None = None,
+                 training_repository_credentials_provider_arn: str | None = None,
+                 enable_infra_check: bool | None = None,
+                 container_entry_point: list | None = None,
+                 container_arguments: list | None = None,
+                 disable_output_compression: bool = False,
+                 enable_remote_debug: bool | None = None,
+                 enable_session_tag_chaining: bool | None = None,
+                 training_plan: str | None = None, instance_placement_config: dict | None = None,
+                 backend_options: dict | None = None, **kwargs: Any):
+        renamed = estimator_args.renamed_v1_arguments(
+            kwargs, known=_ARGUMENTS, instance_count=instance_count, instance_type=instance_type,
+            volume_size=volume_size, max_run=max_run, use_spot_instances=use_spot_instances,
+            max_wait=max_wait, volume_kms_key=volume_kms_key, image_uri=image_uri)
+        instance_count, instance_type = renamed["instance_count"], renamed["instance_type"]
+        volume_size, max_run = renamed["volume_size"], renamed["max_run"]
+        use_spot_instances, max_wait = renamed["use_spot_instances"], renamed["max_wait"]
+        volume_kms_key, image_uri = renamed["volume_kms_key"], renamed["image_uri"]
         self.image_uri, self.role = image_uri, role
         self.instance_count, self.instance_type = instance_count, instance_type
         self.entry_point, self.source_dir = entry_point, source_dir
@@ -172,6 +199,26 @@ class Estimator:
         self.subnets, self.security_group_ids = subnets, security_group_ids
         self._enable_network_isolation = enable_network_isolation
         self.keep_alive_period_in_seconds = keep_alive_period_in_seconds
+        self.model_uri, self.model_channel_name = model_uri, model_channel_name
+        self.git_config = git_config
+        # SageMaker-only arguments: attributes as in SageMaker, checked by estimator_args.
+        self.volume_kms_key, self.output_kms_key = volume_kms_key, output_kms_key
+        self.encrypt_inter_container_traffic = encrypt_inter_container_traffic
+        self.rules, self.debugger_hook_config = rules, debugger_hook_config
+        self.tensorboard_output_config = tensorboard_output_config
+        self.enable_sagemaker_metrics = enable_sagemaker_metrics
+        self.profiler_config, self.disable_profiler = profiler_config, disable_profiler
+        self.max_retry_attempts, self.instance_groups = max_retry_attempts, instance_groups
+        self.training_repository_access_mode = training_repository_access_mode
+        self.training_repository_credentials_provider_arn = \
+            training_repository_credentials_provider_arn
+        self.enable_infra_check = enable_infra_check
+        self.container_entry_point = container_entry_point
+        self.container_arguments = container_arguments
+        self.disable_output_compression = disable_output_compression
+        self.enable_remote_debug, self.training_plan = enable_remote_debug, training_plan
+        self.enable_session_tag_chaining = enable_session_tag_chaining
+        self.instance_placement_config = instance_placement_config
         self.backend_options = {} if backend_options is None else backend_options
         self.latest_training_job: JobHandle | None = None
         self._current_job_name: str | None = None
@@ -198,6 +245,10 @@ class Estimator:
     def _validate_framework(self) -> None:
         """Framework-specific checks (versions, image, distribution)."""
 
+    def _default_enable_sagemaker_metrics(self) -> bool | None:
+        """enable_sagemaker_metrics when not given (None: not sent, SageMaker's default)."""
+        return None
+
     # ---- validation --------------------------------------------------------------------
 
     @property
@@ -208,7 +259,26 @@ class Estimator:
         """Whether the job runs without network access (SageMaker's method of the same name)."""
         return self._enable_network_isolation
 
+    def _sagemaker_args(self) -> estimator_args.SageMakerArgs:
+        """The SageMaker-only arguments as they are now on this estimator."""
+        return estimator_args.SageMakerArgs(
+            **{name: getattr(self, name) for name in estimator_args.SageMakerArgs.names()})
+
+    def _sagemaker_options(self) -> estimator_args.SageMakerOptions:
+        """The SageMaker-only request pieces (validated; the real SDK's defaults applied)."""
+        return self._sagemaker_args().resolve(
+            region=self._region(), instance_type=self._instance()[0],
+            checkpoint_s3_uri=self.checkpoint_s3_uri,
+            checkpoint_local_path=self.checkpoint_local_path,
+            metrics_default=self._default_enable_sagemaker_metrics())
+
+    def _instance(self) -> tuple[str | None, int | None]:
+        """(instance type, instance count); with instance_groups, the first type and the total."""
+        groups = self._sagemaker_args().group_totals()
+        return groups if groups is not None else (self.instance_type, self.instance_count)
+
     def _validate(self) -> None:
+        self._sagemaker_options()
         self._validate_resources()
         self._validate_code()
         self._validate_locations()
@@ -218,6 +288,15 @@ class Estimator:
         check_hyperparameter_limits(self.hyperparameters())
 
     def _validate_resources(self) -> None:
+        if self.instance_groups is not None:
+            if self.instance_type is not None or self.instance_count is not None:
+                raise _fail("instance_groups", self.instance_groups, "replaces instance_type "
+                            "and instance_count: set both to None (SageMaker's rule)")
+            if getattr(self.sagemaker_session, "backend_name", None) == "ec2":
+                raise _fail("instance_groups", self.instance_groups, "is a SageMaker "
+                            "heterogeneous cluster; the EC2 backend runs one instance type: "
+                            "give instance_type and instance_count")
+            return self._validate_limits()
         if self.instance_type is None:
             raise _fail("instance_type", None, "is required: use 'local_process' (this machine), "
                         "'local'/'local_gpu' (Docker) or a SageMaker type such as 'ml.p4d.24xlarge'")
@@ -228,11 +307,14 @@ class Estimator:
         if self.instance_count is None:
             raise _fail("instance_count", None, "is required: the number of hosts, e.g. 1")
         _check_int("instance_count", self.instance_count, minimum=1)
+        self._validate_limits()
+
+    def _validate_limits(self) -> None:
         _check_int("volume_size", self.volume_size, minimum=1)
         _check_int("max_run", self.max_run, minimum=1)
         _check_int("max_wait", self.max_wait, minimum=1, optional=True)
         _check_int("keep_alive_period_in_seconds", self.keep_alive_period_in_seconds,
-                   minimum=0, maximum=3600, optional=True)
+                   minimum=0, maximum=MAX_KEEP_ALIVE, optional=True)
         if isinstance(self.container_log_level, bool) or not isinstance(self.container_log_level, int):
             raise _fail("container_log_level", self.container_log_level,
                         "must be a logging level number such as logging.INFO (20)")
@@ -242,6 +324,10 @@ class Estimator:
             raise _fail("input_mode", "Pipe", "is not available in local modes; use 'File'")
 
     def _validate_code(self) -> None:
+        if self.git_config is not None:
+            raise _fail("git_config", self.git_config, "is not supported yet: clone the "
+                        "repository (git clone --branch <b> <repo>) and pass entry_point / "
+                        "source_dir inside the clone")
         ep = self.entry_point
         if ep is None:
             raise _fail("entry_point", None, "is required: the path of your training script")
@@ -285,6 +371,10 @@ class Estimator:
         self._check_uri("output_path", self.output_path)
         self._check_uri("code_location", self.code_location)
         self._check_uri("checkpoint_s3_uri", self.checkpoint_s3_uri)
+        self._check_uri("model_uri", self.model_uri)
+        if not isinstance(self.model_channel_name, str) or not self.model_channel_name:
+            raise _fail("model_channel_name", self.model_channel_name, "must be a channel name "
+                        "such as 'model'")
         cpl = self.checkpoint_local_path
         if cpl is not None and (not isinstance(cpl, str) or not cpl.startswith("/")):
             raise _fail("checkpoint_local_path", cpl, "must be an absolute path such as "
@@ -430,7 +520,8 @@ class Estimator:
             raise _fail("wait", wait, "must be True or False")
         if logs not in (True, False, "All", "None", "Rules"):
             raise _fail("logs", logs, "must be 'All', 'None', True or False")
-        channels = channels_from_inputs(inputs, local=self._local)
+        channels = channels_from_inputs(inputs, local=self._local) + self._model_channel(inputs)
+        self._note_local_no_effect()
         output_path = self._output_path()
         name = self._unused_job_name(job_name, output_path)
         reserved = encode_hyperparameters({
@@ -447,13 +538,41 @@ class Estimator:
         spec = self._job_spec(name, hyperparameters, sourcedir, channels, output_path)
         self._reserved, self._current_job_name = reserved, name
         try:
-            self.latest_training_job = backend_for(self.instance_type,
+            self.latest_training_job = backend_for(self._instance()[0],
                                                    session=self.sagemaker_session).submit(spec)
         finally:
             if not self._local:  # remote backends upload the package inside submit()
                 shutil.rmtree(Path(sourcedir).parent, ignore_errors=True)
         if wait:
             self.latest_training_job.wait(logs=logs)
+
+    def _model_channel(self, inputs) -> tuple[Channel, ...]:
+        """SageMaker's `model_uri`: one more File-mode channel, `model_channel_name`."""
+        if self.model_uri is None:
+            return ()
+        if isinstance(inputs, dict) and self.model_channel_name in inputs:
+            raise _fail("model_channel_name", self.model_channel_name, "is also an inputs "
+                        "channel; rename one of them")
+        uri = self.model_uri
+        if self._local and not uri.startswith("file://"):
+            uri = "file://" + str(Path(uri).resolve())
+        return channels_from_inputs({self.model_channel_name: TrainingInput(
+            uri, content_type="application/x-sagemaker-model", input_mode="File")},
+            local=self._local)
+
+    def _note_local_no_effect(self) -> None:
+        """Log once which SageMaker-only arguments a local job records but does not use."""
+        if not self._local or getattr(self, "_noted_local", False):
+            return
+        given = self._sagemaker_args().given()
+        values = {k: getattr(self, k) for k in estimator_args.LOCAL_NO_EFFECT}
+        values["enable_network_isolation"] = self._enable_network_isolation  # also a method
+        given.update({k: v for k, v in values.items()
+                      if v != estimator_args.LOCAL_NO_EFFECT[k]})
+        note = estimator_args.local_note(given)
+        if note:
+            logger.info(note)
+        self._noted_local = True
 
     def _unused_job_name(self, job_name: str | None, output_path: str) -> str:
         """The job's name; local modes also refuse (given) or skip (generated) used names."""
@@ -496,7 +615,7 @@ class Estimator:
 
     def _job_spec(self, name, hyperparameters, sourcedir, channels, output_path) -> JobSpec:
         return JobSpec(
-            job_name=name, instance_type=self.instance_type, instance_count=self.instance_count,
+            job_name=name, instance_type=self._instance()[0], instance_count=self._instance()[1],
             hyperparameters=hyperparameters, sourcedir=Path(sourcedir),
             entry_point=json.loads(hyperparameters["sagemaker_program"]),
             output_path=output_path, image_uri=self.training_image_uri(), channels=channels,
@@ -512,6 +631,7 @@ class Estimator:
             metric_definitions=tuple(self.metric_definitions), role=self.role,
             keep_alive_period_in_seconds=self.keep_alive_period_in_seconds,
             container_log_level=self.container_log_level,
+            sagemaker=self._sagemaker_options(),
             backend_options=dict(self.backend_options))
 
     @classmethod
@@ -561,3 +681,7 @@ class Estimator:
     def model_data(self) -> str | None:
         """URI of the latest job's model.tar.gz (None until the job has completed)."""
         return self._require_job().model_data
+
+
+_ARGUMENTS = tuple(p for p in inspect.signature(Estimator.__init__).parameters
+                   if p not in ("self", "kwargs"))

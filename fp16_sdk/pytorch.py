@@ -28,9 +28,11 @@ from typing import Any
 from fp16_sdk.config import DistributionConfig
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator import Estimator, base_name_from_image
+from fp16_sdk.estimator_args import V1_NAMES
 from fp16_sdk.image import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
-__all__ = ["PyTorch", "LOCAL_IMAGE_CPU", "LOCAL_IMAGE_GPU"]
+__all__ = ["PyTorch", "LOCAL_IMAGE_CPU", "LOCAL_IMAGE_GPU", "check_compiler_config",
+           "check_unknown_arguments", "warn_if_installed_differs"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +40,54 @@ LOCAL_IMAGE_CPU, LOCAL_IMAGE_GPU = DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE  # built
 _PY_VERSION = re.compile(r"^py3\d*$")
 _FRAMEWORK_VERSION = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _COMMON = tuple(p for p in inspect.signature(Estimator.__init__).parameters
-                if p not in ("self", "image_uri", "entry_point", "source_dir", "hyperparameters"))
-# SageMaker SDK v1 names people still paste.
-_V1_NAMES = {"train_instance_count": "instance_count", "train_instance_type": "instance_type",
-             "train_volume_size": "volume_size", "train_max_run": "max_run",
-             "train_use_spot_instances": "use_spot_instances", "train_max_wait": "max_wait",
-             "image_name": "image_uri"}
+                if p not in ("self", "image_uri", "entry_point", "source_dir", "hyperparameters",
+                             "kwargs"))
+
+
+def warn_if_installed_differs(package: str, wanted: str | None, key: str) -> None:
+    """local_process runs what is installed here: say so when `key` asks for another minor."""
+    try:
+        installed = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if wanted and installed.split(".")[:2] != wanted.split(".")[:2]:
+        logger.warning("%s %s differs from the installed %s %s; local_process runs the "
+                       "installed one", key, wanted, package, installed)
+
+
+def check_compiler_config(compiler_config: Any) -> None:
+    """SageMaker Training Compiler: only "off" is accepted (it needs AWS's compiler images).
+
+    Accepts None, `TrainingCompilerConfig(enabled=False)` (duck-typed on `.enabled`) or
+    {"enabled": False}; the real SDK sends nothing for those either.
+
+    Raises:
+        ConfigError: an enabled compiler config.
+    """
+    if compiler_config is None:
+        return
+    enabled = compiler_config.get("enabled", True) if isinstance(compiler_config, dict) \
+        else getattr(compiler_config, "enabled", None)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"compiler_config={compiler_config!r} must be a sagemaker "
+                          "TrainingCompilerConfig or {'enabled': bool}", key="compiler_config",
+                          value=compiler_config)
+    if enabled:
+        raise ConfigError(
+            f"compiler_config={compiler_config!r} enables SageMaker Training Compiler, which "
+            "runs only in AWS's compiler-enabled images; fp16_sdk jobs run its own image: drop "
+            "compiler_config (or pass TrainingCompilerConfig(enabled=False))",
+            key="compiler_config", value=compiler_config)
+
+
+def check_unknown_arguments(cls_name: str, common: dict) -> None:
+    """Refuse keys that are neither Estimator arguments nor SageMaker v1 names, with a hint."""
+    for key in common:
+        if key not in _COMMON and key not in V1_NAMES:
+            close = next(iter(difflib.get_close_matches(key, _COMMON, 1)), None)
+            hint = f"did you mean {close!r}?" if close else "see the Estimator arguments"
+            raise ConfigError(f"{key}={common[key]!r} is not a {cls_name} estimator argument; "
+                              f"{hint}", key=key, value=common[key])
 
 
 class PyTorch(Estimator):
@@ -58,22 +102,31 @@ class PyTorch(Estimator):
         image_uri: the training image (see the module docstring for defaults).
         distribution: {"smdistributed": {"modelparallel": {...}}, "mpi": {...}} or
             {"torch_distributed": {"enabled": True}}; unknown keys are errors.
+        compiler_config: SageMaker Training Compiler; only a disabled one is accepted.
+        training_recipe, recipe_overrides: HyperPod recipes; refused (script mode only).
         **common: the Estimator arguments (role, instance_count, instance_type, output_path...).
 
     Raises:
         ConfigError: any invalid argument, before anything is written or started.
     """
 
-    def __init__(self, entry_point: str, framework_version: str | None = None,
+    def __init__(self, entry_point: str | None = None, framework_version: str | None = None,
                  py_version: str | None = None, source_dir: str | None = None,
                  hyperparameters: dict | None = None, image_uri: str | None = None,
-                 distribution: dict | None = None, **common: Any):
-        for key in common:
-            if key not in _COMMON:
-                close = _V1_NAMES.get(key) or next(iter(difflib.get_close_matches(key, _COMMON, 1)), None)
-                hint = f"did you mean {close!r}?" if close else "see the Estimator arguments"
-                raise ConfigError(f"{key}={common[key]!r} is not a PyTorch estimator argument; "
-                                  f"{hint}", key=key, value=common[key])
+                 distribution: dict | None = None, compiler_config: Any = None,
+                 training_recipe: str | None = None, recipe_overrides: dict | None = None,
+                 **common: Any):
+        check_unknown_arguments("PyTorch", common)
+        check_compiler_config(compiler_config)
+        for key, value in (("training_recipe", training_recipe),
+                           ("recipe_overrides", recipe_overrides)):
+            if value is not None:
+                raise ConfigError(
+                    f"{key}={value!r}: SageMaker HyperPod recipes run AWS's recipe images and "
+                    "launcher, not a script; fp16_sdk runs script mode: pass entry_point and "
+                    "drop training_recipe / recipe_overrides", key=key, value=value)
+        self.compiler_config = compiler_config
+        self.training_recipe, self.recipe_overrides = training_recipe, recipe_overrides
         self.framework_version, self.py_version = framework_version, py_version
         self.distribution = distribution
         self._distribution_config: DistributionConfig | None = None
@@ -83,6 +136,10 @@ class PyTorch(Estimator):
             self._warn_version_mismatch()
 
     def _validate_framework(self) -> None:
+        self._validate_versions()
+        self._validate_image_and_distribution()
+
+    def _validate_versions(self) -> None:
         if self.image_uri is None and (self.framework_version is None or self.py_version is None):
             missing = "framework_version" if self.framework_version is None else "py_version"
             raise ConfigError(
@@ -98,6 +155,8 @@ class PyTorch(Estimator):
                                             or not _PY_VERSION.match(self.py_version)):
             raise ConfigError(f"py_version={self.py_version!r} must look like 'py3' or 'py310'",
                               key="py_version", value=self.py_version)
+
+    def _validate_image_and_distribution(self) -> None:
         if self.image_uri is not None and (not isinstance(self.image_uri, str) or not self.image_uri):
             raise ConfigError(f"image_uri={self.image_uri!r} must be an image name or URI",
                               key="image_uri", value=self.image_uri)
@@ -109,17 +168,21 @@ class PyTorch(Estimator):
                 key="image_uri")
         self._distribution_config = (
             None if self.distribution is None else DistributionConfig.parse(
-                self.distribution, instance_count=self.instance_count,
-                instance_type=self.instance_type))
+                self.distribution, instance_count=self._instance()[1],
+                instance_type=self._instance()[0]))
+
+    def _default_enable_sagemaker_metrics(self) -> bool | None:
+        # The real PyTorch estimator turns SageMaker metrics on from PyTorch 1.3.
+        version = self.framework_version
+        if not isinstance(version, str) or not _FRAMEWORK_VERSION.match(version):
+            return None
+        return tuple(int(p) for p in version.split(".")[:2]) >= (1, 3)
 
     def _warn_version_mismatch(self) -> None:
-        try:
-            installed = importlib.metadata.version("torch")
-        except importlib.metadata.PackageNotFoundError:
-            installed = None
-        if installed and installed.split(".")[:2] != self.framework_version.split(".")[:2]:
-            logger.warning("framework_version %s differs from the installed torch %s; "
-                           "local_process runs the installed one", self.framework_version, installed)
+        warn_if_installed_differs("torch", self.framework_version, "framework_version")
+        self._warn_version_mismatch_python()
+
+    def _warn_version_mismatch_python(self) -> None:
         here = f"py{sys.version_info.major}{sys.version_info.minor}"
         if self.py_version not in ("py3", here):
             logger.warning("py_version %s differs from this Python (%s); local_process runs "

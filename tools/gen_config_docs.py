@@ -45,6 +45,61 @@ RULES = """
 """
 
 
+ESTIMATOR = """
+## Estimator arguments
+
+`PyTorch`, `HuggingFace` and `Estimator` take every argument of the SageMaker Python SDK v2's
+`EstimatorBase`, `Framework` and `PyTorch` / `HuggingFace` constructors, with the same names and
+defaults; SDK v1 names (`train_instance_type`, `train_instance_count`, `train_volume_size`,
+`train_max_run`, `train_use_spot_instances`, `train_max_wait`, `train_volume_kms_key`,
+`image_name`) are accepted with a warning. Every value is validated before anything starts
+(errors name the key, the value and the fix). Arguments marked *recorded* have no effect in
+local modes: a local job logs them once (`recorded, no effect in local mode: ...`).
+
+| argument | local modes (`local_process`, `local`, `local_gpu`) | SageMaker (`CreateTrainingJob`) |
+|---|---|---|
+| `entry_point`, `source_dir`, `dependencies` | packaged into sourcedir.tar.gz | same, uploaded to S3 |
+| `hyperparameters` | JSON-encoded; `--key value`, a bare `--key` for `""` | `HyperParameters` |
+| `role` | not needed | `RoleArn` (a name is expanded through IAM) |
+| `instance_type`, `instance_count` | choose the backend / number of hosts | `ResourceConfig.InstanceType/InstanceCount` |
+| `instance_groups` | refused (heterogeneous clusters are SageMaker's) | `ResourceConfig.InstanceGroups`, replaces type and count |
+| `volume_size`, `volume_kms_key` | recorded | `ResourceConfig.VolumeSizeInGB/VolumeKmsKeyId` |
+| `keep_alive_period_in_seconds` (0-21600) | recorded | `ResourceConfig.KeepAlivePeriodInSeconds` (warm pools) |
+| `training_plan`, `instance_placement_config` | recorded | `ResourceConfig.TrainingPlanArn/InstancePlacementConfig` |
+| `max_run` | job time limit | `StoppingCondition.MaxRuntimeInSeconds` |
+| `use_spot_instances`, `max_wait` (>= `max_run`, spot only) | recorded | `EnableManagedSpotTraining`, `StoppingCondition.MaxWaitTimeInSeconds` |
+| `max_retry_attempts` (1-30) | recorded | `RetryStrategy.MaximumRetryAttempts` |
+| `input_mode` | File / FastFile (Pipe refused) | `AlgorithmSpecification.TrainingInputMode` |
+| `output_path`, `output_kms_key`, `disable_output_compression` | where output goes (file://); the others recorded | `OutputDataConfig.S3OutputPath/KmsKeyId/CompressionType: NONE` |
+| `code_location` | file:// folder of the code | S3 prefix of sourcedir.tar.gz |
+| `base_job_name`, `sagemaker_session` | job name prefix; session (region) | same |
+| `environment` | set in the job's processes | `Environment` |
+| `metric_definitions`, `enable_sagemaker_metrics` | metrics parsed from the logs; the flag recorded | `AlgorithmSpecification.MetricDefinitions/EnableSageMakerMetricsTimeSeries` (default True for PyTorch >= 1.3 and HuggingFace) |
+| `checkpoint_s3_uri`, `checkpoint_local_path` | the checkpoint store (file:// or a path plays S3's role) and the path the script writes | `CheckpointConfig.S3Uri/LocalPath` |
+| `model_uri`, `model_channel_name` | an input channel (`SM_CHANNEL_MODEL`) | an extra `InputDataConfig` channel |
+| `tags` | recorded | `Tags` |
+| `subnets`, `security_group_ids` (both or neither) | recorded | `VpcConfig` |
+| `enable_network_isolation`, `encrypt_inter_container_traffic` | recorded | `EnableNetworkIsolation`, `EnableInterContainerTrafficEncryption` |
+| `debugger_hook_config` (None, True, False, a dict or the SDK's `DebuggerHookConfig`) | recorded | `DebugHookConfig`; None/True: `{S3OutputPath: output_path}` as in the real SDK; False: none; off when both checkpoint settings are given |
+| `rules` (dicts or the SDK's `Rule` / `ProfilerRule` with an image URI) | recorded | `DebugRuleConfigurations` / `ProfilerRuleConfigurations` |
+| `tensorboard_output_config` | recorded | `TensorBoardOutputConfig` |
+| `profiler_config`, `disable_profiler` | recorded | `ProfilerConfig`; default `{S3OutputPath: output_path, DisableProfiler: false}`, `disable_profiler=True`: `{DisableProfiler: true}` |
+| `training_repository_access_mode`, `training_repository_credentials_provider_arn` | recorded | `AlgorithmSpecification.TrainingImageConfig` |
+| `container_entry_point`, `container_arguments` | recorded | `AlgorithmSpecification.ContainerEntrypoint/ContainerArguments` |
+| `enable_infra_check`, `enable_remote_debug`, `enable_session_tag_chaining` | recorded | `InfraCheckConfig`, `RemoteDebugConfig`, `SessionChainingConfig` |
+| `container_log_level` | the toolkit's log level | `sagemaker_container_log_level` hyperparameter |
+| `git_config` | refused for now: clone the repository and pass paths inside it | same |
+| `image_uri` | default: this project's image (`local`), none (`local_process`) | required: this project's image in ECR |
+| `framework_version`, `py_version` (PyTorch) | required unless `image_uri`; a different installed version is a warning | recorded (our image is used) |
+| `distribution` | validated by the schema above; launches the processes | `sagemaker_*` / `mp_parameters` hyperparameters |
+| `compiler_config` | only a disabled one (`enabled=False`) is accepted | same; nothing is sent, as in the real SDK |
+| `training_recipe`, `recipe_overrides` | refused (HyperPod recipes need AWS's images) | same |
+| `transformers_version`, `pytorch_version` (HuggingFace) | required unless `image_uri`, both full or both shortened | recorded (our image is used; not hyperparameters) |
+| `tensorflow_version` (HuggingFace) | refused: PyTorch only | same |
+| `backend_options` (not in SageMaker) | backend knobs (`shm_size`, `stop_grace_s`...) | ignored by SageMaker |
+"""
+
+
 def _type(field) -> str:
     ann = field.annotation
     args = [a for a in get_args(ann) if a is not type(None)]
@@ -67,7 +122,7 @@ def table(model: type[BaseModel]) -> str:
 
 def render() -> str:
     return (HEADER + "\n## smdistributed.modelparallel.parameters\n\n" + table(SMPParameters)
-            + "\n\n## mpi\n\n" + table(MPIConfig) + "\n" + RULES)
+            + "\n\n## mpi\n\n" + table(MPIConfig) + "\n" + RULES + ESTIMATOR)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import enum
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp16_sdk.estimator_args import SageMakerOptions
+
 __all__ = ["Channel", "JobSpec", "JobStatus", "JobHandle", "Backend", "backend_for", "LOCAL_TYPES"]
 
 LOCAL_TYPES = ("local_process", "local", "local_gpu")
@@ -58,6 +60,8 @@ class JobSpec:
         volume_size, max_run, max_wait, use_spot_instances, input_mode, tags, subnets,
         security_group_ids, enable_network_isolation, metric_definitions, role,
         keep_alive_period_in_seconds, container_log_level: as in SageMaker's estimator.
+        sagemaker: the SageMaker-only request pieces (Debugger, Profiler, KMS, retries...),
+            already validated; other backends ignore them (the estimator notes that once).
         backend_options: backend-specific knobs the estimator passes through unchanged
             (e.g. {"shm_size": "2g", "pass_aws_credentials": False} for local Docker).
     """
@@ -89,6 +93,7 @@ class JobSpec:
     role: str | None = None
     keep_alive_period_in_seconds: int | None = None
     container_log_level: int = 20
+    sagemaker: SageMakerOptions = dataclasses.field(default_factory=SageMakerOptions)
     backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property

@@ -80,37 +80,107 @@ def _channel(channel: Any) -> dict:
         record_wrapping=channel.record_wrapping, input_mode=channel.input_mode)}
 
 
-def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
-                           role_arn: str) -> dict:
-    """The `CreateTrainingJob` arguments for `spec` (contract §5), optional keys only when set."""
+def _algorithm(spec: JobSpec) -> dict:
+    extra = spec.sagemaker
     algorithm: dict[str, Any] = {"TrainingImage": spec.image_uri,
                                  "TrainingInputMode": spec.input_mode}
+    if extra.training_image_config is not None:
+        algorithm["TrainingImageConfig"] = dict(extra.training_image_config)
+    if extra.container_entry_point is not None:
+        algorithm["ContainerEntrypoint"] = list(extra.container_entry_point)
+    if extra.container_arguments is not None:
+        algorithm["ContainerArguments"] = list(extra.container_arguments)
     if spec.metric_definitions:
         algorithm["MetricDefinitions"] = [{"Name": m["Name"], "Regex": m["Regex"]}
                                           for m in spec.metric_definitions]
-    if spec.backend_options.get("enable_sagemaker_metrics") is not None:
-        algorithm["EnableSageMakerMetricsTimeSeries"] = bool(
-            spec.backend_options["enable_sagemaker_metrics"])
-    hyperparameters = dict(spec.hyperparameters)
-    hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
-    resources: dict[str, Any] = {"InstanceType": spec.instance_type,
-                                 "InstanceCount": spec.instance_count,
-                                 "VolumeSizeInGB": spec.volume_size}
+    if extra.enable_sagemaker_metrics is not None:
+        algorithm["EnableSageMakerMetricsTimeSeries"] = extra.enable_sagemaker_metrics
+    return algorithm
+
+
+def _resources(spec: JobSpec) -> dict:
+    """ResourceConfig as the real SDK's `_Job._prepare_resource_config` builds it."""
+    extra = spec.sagemaker
+    resources: dict[str, Any] = {"VolumeSizeInGB": spec.volume_size}
+    if extra.volume_kms_key is not None:
+        resources["VolumeKmsKeyId"] = extra.volume_kms_key
     if spec.keep_alive_period_in_seconds is not None:
         resources["KeepAlivePeriodInSeconds"] = spec.keep_alive_period_in_seconds
+    if extra.instance_groups is not None:
+        resources["InstanceGroups"] = [dict(g) for g in extra.instance_groups]
+    else:
+        resources["InstanceCount"] = spec.instance_count
+        resources["InstanceType"] = spec.instance_type
+    if extra.training_plan is not None:
+        resources["TrainingPlanArn"] = extra.training_plan
+    if extra.instance_placement_config is not None:
+        resources["InstancePlacementConfig"] = dict(extra.instance_placement_config)
+    return resources
+
+
+def _with_output_path(config: Any, output_path: str) -> dict:
+    """Debugger/Profiler configs default their S3OutputPath to the job's output path."""
+    config = dict(config)
+    if "S3OutputPath" not in config and not config.get("DisableProfiler"):
+        config["S3OutputPath"] = output_path
+    return config
+
+
+def _debugger_and_profiler(spec: JobSpec, output_path: str) -> dict:
+    extra, fields = spec.sagemaker, {}
+    if extra.debug_rule_configs:
+        fields["DebugRuleConfigurations"] = [dict(r) for r in extra.debug_rule_configs]
+    if extra.debug_hook_config is not None:
+        fields["DebugHookConfig"] = _with_output_path(extra.debug_hook_config, output_path)
+    if extra.tensorboard_output_config is not None:
+        fields["TensorBoardOutputConfig"] = dict(extra.tensorboard_output_config)
+    if extra.profiler_rule_configs:
+        fields["ProfilerRuleConfigurations"] = [dict(r) for r in extra.profiler_rule_configs]
+    if extra.profiler_config is not None:
+        fields["ProfilerConfig"] = _with_output_path(extra.profiler_config, output_path)
+    return fields
+
+
+def _flags(spec: JobSpec) -> dict:
+    extra, fields = spec.sagemaker, {}
+    if spec.enable_network_isolation:
+        fields["EnableNetworkIsolation"] = True
+    if extra.encrypt_inter_container_traffic:
+        fields["EnableInterContainerTrafficEncryption"] = True
+    if spec.use_spot_instances:
+        fields["EnableManagedSpotTraining"] = True
+    for key, value in (("RetryStrategy", extra.retry_strategy),
+                       ("InfraCheckConfig", extra.infra_check_config),
+                       ("RemoteDebugConfig", extra.remote_debug_config),
+                       ("SessionChainingConfig", extra.session_chaining_config)):
+        if value is not None:
+            fields[key] = dict(value)
+    return fields
+
+
+def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
+                           role_arn: str) -> dict:
+    """The `CreateTrainingJob` arguments for `spec` (contract §5), optional keys only when set.
+
+    Field names and shapes are those of the real SDK v2's `Session._get_train_request`.
+    """
+    hyperparameters = dict(spec.hyperparameters)
+    hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
     stopping: dict[str, Any] = {"MaxRuntimeInSeconds": spec.max_run}
     if spec.max_wait:
         stopping["MaxWaitTimeInSeconds"] = spec.max_wait
     output: dict[str, Any] = {"S3OutputPath": output_path}
-    if spec.backend_options.get("output_kms_key"):
-        output["KmsKeyId"] = spec.backend_options["output_kms_key"]
+    if spec.sagemaker.output_kms_key is not None:
+        output["KmsKeyId"] = spec.sagemaker.output_kms_key
+    if spec.sagemaker.disable_output_compression:
+        output["CompressionType"] = "NONE"
     request: dict[str, Any] = {
         "TrainingJobName": spec.job_name,
         "RoleArn": role_arn,
-        "AlgorithmSpecification": algorithm,
+        "AlgorithmSpecification": _algorithm(spec),
         "HyperParameters": hyperparameters,
         "OutputDataConfig": output,
-        "ResourceConfig": resources,
+        "ResourceConfig": _resources(spec),
         "StoppingCondition": stopping,
     }
     if spec.channels:
@@ -122,15 +192,13 @@ def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
     if spec.subnets and spec.security_group_ids:
         request["VpcConfig"] = {"Subnets": list(spec.subnets),
                                 "SecurityGroupIds": list(spec.security_group_ids)}
-    if spec.use_spot_instances:
-        request["EnableManagedSpotTraining"] = True
     if spec.checkpoint_s3_uri:
         checkpoint = {"S3Uri": spec.checkpoint_s3_uri}
         if spec.checkpoint_local_path:
             checkpoint["LocalPath"] = spec.checkpoint_local_path
         request["CheckpointConfig"] = checkpoint
-    if spec.enable_network_isolation:
-        request["EnableNetworkIsolation"] = True
+    request.update(_flags(spec))
+    request.update(_debugger_and_profiler(spec, output_path))
     return request
 
 
