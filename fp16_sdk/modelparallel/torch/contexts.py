@@ -23,7 +23,7 @@ from .state import state
 __all__ = [
     "model_creation", "tensor_parallelism", "set_tensor_parallelism", "partition",
     "set_partition", "delay_param_initialization",
-    "set_activation_checkpointing", "creation_options", "KNOWN_TP_OPTIONS",
+    "set_activation_checkpointing", "creation_options", "current_tp_config", "KNOWN_TP_OPTIONS",
 ]
 
 logger = logging.getLogger("smp")
@@ -80,12 +80,20 @@ def _push(frame: dict):
 
 
 def _check_options(options: dict) -> None:
+    from .nn.numerics import refuse_unsupported
+
+    refuse_unsupported(options)
     for key in options:
         if key not in KNOWN_TP_OPTIONS and key not in _warned:
             _warned.add(key)
             logger.warning("tensor-parallel option %r is not known to this runtime; it is "
                            "recorded but has no effect (known: %s)", key,
                            ", ".join(sorted(KNOWN_TP_OPTIONS)))
+
+
+def current_tp_config() -> dict:
+    """The tensor-parallel options of the innermost open creation context ({} outside)."""
+    return dict(_current()["tp_config"]) if _stack() else {}
 
 
 def creation_options(module: nn.Module) -> dict | None:
