@@ -178,14 +178,22 @@ def set_partition(module: nn.Module, index: int) -> None:
 
 def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
                                  pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
-    """Recompute `module`'s activations in backward; recorded for the pipeline/TP code.
+    """Recompute `module`'s activations in backward (torch checkpoint, non-reentrant).
+
+    Before smp.DistributedModel the request is recorded and applied at wrap time; after it,
+    at once. Containers: strategy "each" checkpoints every child; on an nn.Sequential
+    "group_N" / "contiguous" checkpoint N / all consecutive children of one pipeline stage
+    together (activation_checkpointing.py).
 
     Raises:
-        SMPConfigError: unknown strategy.
+        SMPConfigError: unknown strategy, or a grouping strategy for a non-Sequential module.
     """
-    if strategy not in ("each", "contiguous", "group_2", "group_3", "group_4"):
-        raise SMPConfigError(f"activation checkpointing strategy ({strategy!r}) must be 'each', "
-                             f"'contiguous' or 'group_N'", key="strategy", value=strategy)
-    _record(module, activation_checkpointing={"preserve_rng_state": preserve_rng_state,
-                                              "pack_args_as_tuple": pack_args_as_tuple,
-                                              "strategy": strategy})
+    from .activation_checkpointing import apply_checkpointing, check_strategy
+
+    check_strategy(strategy, module)
+    config = {"preserve_rng_state": bool(preserve_rng_state),
+              "pack_args_as_tuple": bool(pack_args_as_tuple), "strategy": strategy}
+    _record(module, activation_checkpointing=config)
+    model = state.model
+    if model is not None and any(m is module for m in model.module.modules()):
+        apply_checkpointing(module, **config)
