@@ -83,9 +83,25 @@ class SMPParameters(_Strict):
     active_microbatches: Optional[int] = Field(
         None, ge=1, description="Most microbatches in flight in the pipeline; default pp + 2.")
     deterministic_server: bool = Field(False, description="Deterministic pipeline execution.")
-    offload_activations: bool = Field(False, description="Offload checkpointed activations to CPU.")
+    offload_activations: bool = Field(
+        False, description="Offload checkpointed activations to CPU. Not implemented: True is "
+                           "refused (keep False; activation checkpointing works without it).")
     activation_loading_horizon: int = Field(
-        4, gt=0, description="Activations loaded ahead when offloading.")
+        4, gt=0, description="Activations loaded ahead when offloading (used only with "
+                             "offload_activations).")
+    static_mode: bool = Field(
+        False, description="smp: replay one recorded pipeline execution order every step. "
+                           "This runtime always builds the schedule once and replays it each "
+                           "step, so both values run the same way; no effect on numerics.")
+    fast_mode: bool = Field(
+        False, description="smp: pipeline execution fast path (tensors go straight between "
+                           "stages). This runtime always sends activations and gradients "
+                           "directly between adjacent stages; no effect on numerics.")
+    match_weights: bool = Field(
+        False, alias="_match_weights",
+        description="smp (internal key _match_weights): distributed modules take the original "
+                    "module's weights. This runtime always does (tensor parallelism shards the "
+                    "original weights), so both values run the same way.")
     tensor_parallel_degree: int = Field(1, ge=1, description="Tensor-parallel group size.")
     fp16: bool = Field(False, description="FP16 training: FP16_Module and the FP16 optimizer.")
     bf16: bool = Field(False, description="BF16 training (no loss scaling); exclusive with fp16.")
@@ -97,8 +113,28 @@ class SMPParameters(_Strict):
     skip_tracing: bool = Field(False, description="Skip the tracing step before partitioning.")
     delayed_parameter_initialization: bool = Field(
         False, description="Create parameters lazily, after partitioning.")
-    sharded_data_parallel_degree: int = Field(1, ge=1, description="Sharded data parallelism "
-                                                                   "degree.")
+    sharded_data_parallel_degree: int = Field(
+        1, ge=1, description="Sharded data parallelism degree (MiCS/ZeRO-3 style sharding of "
+                             "parameters, gradients and optimizer state). Not implemented: only "
+                             "1 is accepted.")
+    # The sdp_* keys configure sharded data parallelism only; with degree 1, as in smp, they have
+    # no effect (AWS's GPT-2 example passes sdp_gradient_clipping and sdp_hierarchical_allgather
+    # on every run).
+    sdp_reduce_bucket_size: int = Field(
+        500_000_000, ge=1, description="Sharded DP: gradient bucket size in elements (only with "
+                                       "sharded_data_parallel_degree > 1).")
+    sdp_param_persistence_threshold: int = Field(
+        1_000_000, ge=0, description="Sharded DP: parameters with fewer elements are not "
+                                     "sharded (only with sharded_data_parallel_degree > 1).")
+    sdp_max_live_parameters: int = Field(
+        1_000_000_000, ge=1, description="Sharded DP: most parameters gathered at once (only "
+                                         "with sharded_data_parallel_degree > 1).")
+    sdp_hierarchical_allgather: bool = Field(
+        True, description="Sharded DP: all-gather within nodes first (only with "
+                          "sharded_data_parallel_degree > 1).")
+    sdp_gradient_clipping: float = Field(
+        1.0, ge=0.0, description="Sharded DP: clip the gradients' global L2 norm to this (only "
+                                 "with sharded_data_parallel_degree > 1).")
     ddp_dist_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="Backend of the data-parallel groups; auto = NCCL on GPU, else Gloo.")
     horovod: bool = Field(False, description="TensorFlow only: accepted, ignored with a warning.")
@@ -134,6 +170,15 @@ class SMPParameters(_Strict):
         if not self.auto_partition and "default_partition" not in self.model_fields_set:
             raise ValueError("auto_partition=False needs default_partition: set "
                              "\"default_partition\" to a stage in 0..{}".format(pp - 1))
+        if self.sharded_data_parallel_degree > 1:
+            raise ValueError(
+                f"sharded_data_parallel_degree={self.sharded_data_parallel_degree}: sharded data "
+                f"parallelism is not implemented in this runtime; set it to 1 (for optimizer-state "
+                f"sharding use \"shard_optimizer_state\": True with \"ddp\": True)")
+        if self.offload_activations:
+            raise ValueError("offload_activations=True: activation offloading is not "
+                             "implemented in this runtime; set \"offload_activations\": False "
+                             "(activation checkpointing works without it)")
         if self.horovod:
             warnings.warn("smp parameter horovod is TensorFlow only; ignored", stacklevel=2)
         # Resolve the defaults that depend on other keys (the object is frozen: bypass once).
@@ -160,6 +205,8 @@ class SMPParameters(_Strict):
     def to_hyperparameter(self) -> dict[str, Any]:
         """The `mp_parameters` hyperparameter: the keys the user set, under their own names."""
         hp = self.model_dump(include=self.model_fields_set, by_alias=False)
+        if "match_weights" in hp:
+            hp["_match_weights"] = hp.pop("match_weights")  # smp's own (internal) name
         if self._partitions_alias and "pipeline_parallel_degree" in hp:
             hp = {("partitions" if k == "pipeline_parallel_degree" else k): v
                   for k, v in hp.items()}

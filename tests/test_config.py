@@ -20,6 +20,11 @@ SPEC_DEFAULTS = {
     "skip_tracing": False, "delayed_parameter_initialization": False,
     "sharded_data_parallel_degree": 1, "ddp_dist_backend": "auto", "horovod": False,
     "contiguous": True,
+    # keys of the v1.11+ table and of AWS's example scripts (smp_init dicts)
+    "static_mode": False, "fast_mode": False, "match_weights": False,
+    "sdp_reduce_bucket_size": int(5e8), "sdp_param_persistence_threshold": int(1e6),
+    "sdp_max_live_parameters": int(1e9), "sdp_hierarchical_allgather": True,
+    "sdp_gradient_clipping": 1.0,
 }
 
 
@@ -131,3 +136,64 @@ def test_mp_parameters_keep_the_users_name_for_the_pipeline_degree(given, key):
     hp = SMPParameters.model_validate(given).to_hyperparameter()
     assert list(hp) == list(given) and hp[key] == 2
     assert parse_mp_parameters(hp).pipeline_parallel_degree == 2
+
+
+# ---- keys AWS's example scripts pass (issue 12) --------------------------------------------
+
+# The smp_config dict of AWS's GPT-2/GPT-J/NeoX train.py, with the scripts' default arguments.
+AWS_GPT2_INIT = {
+    "ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "microbatches": 1,
+    "shard_optimizer_state": False, "prescaled_batch": False, "fp16": False, "bf16": False,
+    "offload_activations": False, "delayed_parameter_initialization": False,
+    "optimize": "speed", "placement_strategy": "cluster", "activation_loading_horizon": 4,
+    "skip_tracing": False, "auto_partition": True, "default_partition": 0,
+    "static_mode": False, "fast_mode": False, "sharded_data_parallel_degree": 1,
+    "ddp_dist_backend": "auto", "sdp_hierarchical_allgather": False,
+    "sdp_gradient_clipping": 1.0,
+}
+
+
+def test_aws_example_init_dict_is_accepted_as_written():
+    p = parse_mp_parameters(None, AWS_GPT2_INIT)
+    assert {k: getattr(p, k) for k in AWS_GPT2_INIT} == AWS_GPT2_INIT
+    old_gptj = {"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 4,
+                "_match_weights": True, "static_mode": True, "fast_mode": True}
+    q = parse_mp_parameters(old_gptj)
+    assert (q.match_weights, q.static_mode, q.fast_mode) == (True, True, True)
+
+
+def test_sdp_keys_keep_their_documented_types():
+    p = parse_mp_parameters({"sdp_reduce_bucket_size": int(2e8), "sdp_max_live_parameters": 5e8,
+                             "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.5})
+    assert p.sdp_max_live_parameters == 500_000_000 and isinstance(p.sdp_max_live_parameters, int)
+    assert (p.sdp_reduce_bucket_size, p.sdp_param_persistence_threshold) == (200_000_000, 0)
+    assert p.sdp_gradient_clipping == 0.5
+    with pytest.raises(ConfigError, match="sdp_gradient_clipping"):
+        parse_mp_parameters({"sdp_gradient_clipping": -1.0})
+    with pytest.raises(ConfigError, match="sdp_reduce_bucket_size"):
+        parse_mp_parameters({"sdp_reduce_bucket_size": 0})
+
+
+@pytest.mark.parametrize("params, key, fix", [
+    ({"sharded_data_parallel_degree": 2, "ddp": True}, "sharded_data_parallel_degree=2",
+     "set it to 1"),
+    ({"offload_activations": True}, "offload_activations=True", '"offload_activations": False'),
+])
+def test_unimplemented_features_are_refused_before_anything_starts(params, key, fix):
+    with pytest.raises(ConfigError) as err:
+        DistributionConfig.parse(smp(params))  # the estimator's check, before any job
+    assert key in str(err.value) and fix in str(err.value)
+    with pytest.raises(ConfigError):
+        parse_mp_parameters(params)  # and smp.init()'s
+
+
+@pytest.mark.parametrize("typo, hint", [("static_mod", "static_mode"), ("fastmode", "fast_mode"),
+                                        ("sdp_gradient_clip", "sdp_gradient_clipping")])
+def test_new_keys_have_closest_key_hints(typo, hint):
+    with pytest.raises(ConfigError, match=f"did you mean '{hint}'"):
+        parse_mp_parameters({typo: True})
+
+
+def test_match_weights_reaches_the_job_under_smps_name():
+    cfg = DistributionConfig.parse(smp({"partitions": 2, "_match_weights": True}))
+    assert cfg.hyperparameters()["mp_parameters"] == {"partitions": 2, "_match_weights": True}

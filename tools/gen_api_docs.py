@@ -41,6 +41,7 @@ GROUPS = [
                         "tp_register", "tp_register_with_module", "partition", "set_partition",
                         "delay_param_initialization", "set_activation_checkpointing"]),
     ("Checkpoints", ["save", "load", "save_checkpoint", "resume_from_checkpoint"]),
+    ("Mixed precision, optimizers, utilities", ["amp", "optimizers", "utils"]),
     ("Tensor-parallel modules", ["nn"]),
     ("Errors", ["errors", "SMPError", "SMPConfigError", "SMPNotInitializedError", "StepError",
                 "CommError", "CheckpointError", "SMPUnsupportedError"]),
@@ -194,6 +195,15 @@ def nn_section() -> list[str]:
     return lines
 
 
+def submodule_section(sub: str) -> list[str]:
+    module = getattr(smp, sub)
+    lines = [""]
+    for name in module.__all__:
+        obj = getattr(module, name)
+        lines.append(f"- `smp.{sub}.{name}{signature(obj)}`: {first_line(obj, name)}")
+    return lines
+
+
 def render() -> str:
     exported = list(smp.__all__)
     grouped = {n for _, names in GROUPS for n in names}
@@ -213,6 +223,9 @@ def render() -> str:
             lines += describe(name, getattr(smp, name))
         if title == "Tensor-parallel modules":
             lines += nn_section()
+        if title == "Mixed precision, optimizers, utilities":
+            for sub in ("amp", "optimizers", "utils"):
+                lines += submodule_section(sub)
         lines.append("")
     rest = [n for n in exported if n not in grouped]
     if rest:

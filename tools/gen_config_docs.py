@@ -39,6 +39,14 @@ RULES = """
 - `default_partition < pipeline_parallel_degree`, and it is required when `auto_partition` is False.
 - `memory_weight` in [0, 1]; its default is 0.8, or 0.2 with `optimize: "speed"`.
 - `active_microbatches` defaults to `pipeline_parallel_degree + 2`.
+- Not implemented, refused with an error before anything starts: `sharded_data_parallel_degree`
+  above 1 and `offload_activations: True`. The `sdp_*` keys configure sharded data parallelism
+  only: with `sharded_data_parallel_degree` 1 they are accepted and, as in smp, have no effect
+  (AWS's GPT-2 example passes `sdp_gradient_clipping` and `sdp_hierarchical_allgather` always).
+- `static_mode`, `fast_mode` and `_match_weights` (keys AWS's example scripts pass; AWS's
+  tables do not list them) name pipeline execution/initialisation choices that this runtime
+  always makes (one schedule replayed every step, direct stage-to-stage transfers, TP shards
+  cut from the original weights); either value runs the same way, numerics unchanged.
 - World size: `instance_count * processes_per_host` must be divisible by
   `pipeline_parallel_degree * tensor_parallel_degree` (checked by the estimator when
   `processes_per_host` is given, else by `smp.init()`); `rdp = world / (pp * tp)`.

@@ -5,7 +5,7 @@
 the wrapped model instance.
 """
 
-from . import errors, model, nn  # noqa: F401  (smp.model / smp.nn must be modules)
+from . import amp, errors, model, nn, optimizers, utils  # noqa: F401  (smp.X are modules)
 from .checkpoint import load, save
 from .checkpoint_files import IncompleteCheckpointError
 from .checkpointing import resume_from_checkpoint, save_checkpoint
@@ -61,6 +61,7 @@ __all__ = [
     "broadcast", "send", "recv_from", "allgather", "barrier", "dp_barrier", "mp_barrier",
     # training
     "step", "StepOutput", "DistributedModel", "DistributedOptimizer", "model", "nn",
+    "amp", "optimizers", "utils",
     # creation contexts
     "model_creation", "tensor_parallelism", "set_tensor_parallelism", "tp_register",
     "tp_register_with_module", "partition", "set_partition", "delay_param_initialization",

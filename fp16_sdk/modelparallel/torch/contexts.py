@@ -23,7 +23,7 @@ from .state import state
 __all__ = [
     "model_creation", "tensor_parallelism", "set_tensor_parallelism", "partition",
     "set_partition", "delay_param_initialization",
-    "set_activation_checkpointing", "creation_options", "KNOWN_TP_OPTIONS",
+    "set_activation_checkpointing", "creation_options", "current_tp_config", "KNOWN_TP_OPTIONS",
 ]
 
 logger = logging.getLogger("smp")
@@ -80,12 +80,20 @@ def _push(frame: dict):
 
 
 def _check_options(options: dict) -> None:
+    from .nn.numerics import refuse_unsupported
+
+    refuse_unsupported(options)
     for key in options:
         if key not in KNOWN_TP_OPTIONS and key not in _warned:
             _warned.add(key)
             logger.warning("tensor-parallel option %r is not known to this runtime; it is "
                            "recorded but has no effect (known: %s)", key,
                            ", ".join(sorted(KNOWN_TP_OPTIONS)))
+
+
+def current_tp_config() -> dict:
+    """The tensor-parallel options of the innermost open creation context ({} outside)."""
+    return dict(_current()["tp_config"]) if _stack() else {}
 
 
 def creation_options(module: nn.Module) -> dict | None:
@@ -170,14 +178,22 @@ def set_partition(module: nn.Module, index: int) -> None:
 
 def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
                                  pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
-    """Recompute `module`'s activations in backward; recorded for the pipeline/TP code.
+    """Recompute `module`'s activations in backward (torch checkpoint, non-reentrant).
+
+    Before smp.DistributedModel the request is recorded and applied at wrap time; after it,
+    at once. Containers: strategy "each" checkpoints every child; on an nn.Sequential
+    "group_N" / "contiguous" checkpoint N / all consecutive children of one pipeline stage
+    together (activation_checkpointing.py).
 
     Raises:
-        SMPConfigError: unknown strategy.
+        SMPConfigError: unknown strategy, or a grouping strategy for a non-Sequential module.
     """
-    if strategy not in ("each", "contiguous", "group_2", "group_3", "group_4"):
-        raise SMPConfigError(f"activation checkpointing strategy ({strategy!r}) must be 'each', "
-                             f"'contiguous' or 'group_N'", key="strategy", value=strategy)
-    _record(module, activation_checkpointing={"preserve_rng_state": preserve_rng_state,
-                                              "pack_args_as_tuple": pack_args_as_tuple,
-                                              "strategy": strategy})
+    from .activation_checkpointing import apply_checkpointing, check_strategy
+
+    check_strategy(strategy, module)
+    config = {"preserve_rng_state": bool(preserve_rng_state),
+              "pack_args_as_tuple": bool(pack_args_as_tuple), "strategy": strategy}
+    _record(module, activation_checkpointing=config)
+    model = state.model
+    if model is not None and any(m is module for m in model.module.modules()):
+        apply_checkpointing(module, **config)

@@ -102,6 +102,8 @@ class DistributedModel(nn.Module):
         super().__init__()
         if state.topology.tp > 1:
             module = _distribute_tp(module)
+        from .activation_checkpointing import apply_recorded
+        apply_recorded(module)  # set_activation_checkpointing calls made before wrapping
         wrapper = _fp16_wrapper(module)
         self.module = module
         object.__setattr__(self, "_forward_module", wrapper)  # not a submodule: no key prefix

@@ -6,6 +6,7 @@ At tensor_parallel_degree 1 every module is a plain module: same maths, no commu
 from .attention import DistributedAttentionLayer
 from .auto import (distribute_tensor_parallel, distributed_modules, gather_full_state_dict,
                    is_distributed_parameter, is_scaled_batch_parameter, shard_full_state_dict)
+from .layernorm import FusedLayerNorm
 from .layers import DistributedEmbedding, DistributedLinear, DistributedModule
 from .mappings import TPContext
 from .registry import tp_register, tp_register_with_module
@@ -21,6 +22,7 @@ __all__ = [
     "DistributedTransformerLayer",
     "DistributedTransformer",
     "DistributedTransformerLMHead",
+    "FusedLayerNorm",
     "TPContext",
     "tp_register",
     "tp_register_with_module",

@@ -12,6 +12,8 @@ is applied too (self-attention only).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from ..errors import SMPConfigError
 from .layers import ColumnParallelLinear, DistributedModule, RowParallelLinear, check_divisible
 from .mappings import TPContext, copy_to_tensor_parallel_region
+from .numerics import resolve
 
 __all__ = ["DistributedAttentionLayer", "MASK_VALUE", "check_layernorm_flags"]
 
@@ -58,6 +61,10 @@ class DistributedAttentionLayer(DistributedModule):
         pre_layernorm, post_layernorm: LayerNorm on the input / on (residual + output).
             With post_layernorm the output is LN(x + attn); without it, x + attn (the residual
             is kept so pre-LN stacks such as GPT-2 work).
+        attention_in_fp32, query_key_layer_scaling, fused_softmax, fp32_residual_addition:
+            FP16-numerics options (nn/numerics.py); None takes the creation context's value.
+            `layer_number` (1-based, default 1; DistributedTransformer sets it) is the
+            query_key_layer_scaling coefficient.
 
     Forward:
         inputs: (hidden_states [N,S,H], attention_mask [N,1,1,S] or None), or with
@@ -74,8 +81,16 @@ class DistributedAttentionLayer(DistributedModule):
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  cross_attention: bool = False, causal_mask_size: int | None = None,
                  pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 attention_in_fp32: bool | None = None,
+                 query_key_layer_scaling: bool | None = None, fused_softmax: bool | None = None,
+                 fp32_residual_addition: bool | None = None,
                  tp_context: TPContext | None = None):
         super().__init__(tp_context=tp_context)
+        self.attention_in_fp32 = resolve("attention_in_fp32", attention_in_fp32)
+        self.query_key_layer_scaling = resolve("query_key_layer_scaling", query_key_layer_scaling)
+        self.fused_softmax = resolve("fused_softmax", fused_softmax)
+        self.fp32_residual_addition = resolve("fp32_residual_addition", fp32_residual_addition)
+        self.layer_number = 1
         check_divisible("num_attention_heads", num_attention_heads, self.tp.size)
         check_layernorm_flags(pre_layernorm, post_layernorm)
         self.num_attention_heads, self.attention_head_size = num_attention_heads, attention_head_size
@@ -125,13 +140,37 @@ class DistributedAttentionLayer(DistributedModule):
         x = copy_to_tensor_parallel_region(normed, group)  # backward: the 1 all-reduce
         kv = x if cross_states is None else copy_to_tensor_parallel_region(cross_states, group)
         q, k, v = self._heads(self.query(x)), self._heads(self.key(kv)), self._heads(self.value(kv))
-        mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q)
-        ctx = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal,
-            dropout_p=self.attention_dropout_prob if self.training else 0.0)
+        if self.attention_in_fp32 or self.query_key_layer_scaling or self.fused_softmax:
+            ctx = self._explicit_attention(q, k, v, attention_mask)
+        else:
+            mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], q)
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal,
+                dropout_p=self.attention_dropout_prob if self.training else 0.0)
         ctx = ctx.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)  # (N, S, heads/tp * d)
         out = self.dropout(self.dense(ctx))  # forward: the 1 all-reduce
-        out = out + hidden_states
+        if self.fp32_residual_addition:
+            out = (out.float() + hidden_states.float()).to(out.dtype)
+        else:
+            out = out + hidden_states
         if self.layernorm is not None:
             out = self.layernorm(out)
         return self._exit(out)
+
+    def _explicit_attention(self, q, k, v, attention_mask):
+        """softmax(q k^T / sqrt(d) + mask) v with the numerics options (nn/numerics.py)."""
+        out_dtype = q.dtype
+        if self.attention_in_fp32:
+            q, k, v = q.float(), k.float(), v.float()
+        coeff = self.layer_number if self.query_key_layer_scaling else 1
+        # (N, heads/tp, S_q, S_k); q is scaled first so that an fp16 product stays small
+        scores = torch.matmul(q / (math.sqrt(q.shape[-1]) * coeff), k.transpose(-1, -2))
+        scores = scores.float() * coeff  # every option here runs the softmax in fp32
+        mask, is_causal = self._mask(attention_mask, q.shape[2], k.shape[2], scores)
+        if is_causal:
+            mask = causal_additive_mask(q.shape[2], k.shape[2], scores.dtype, scores.device)
+        if mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        probs = F.dropout(probs, self.attention_dropout_prob, self.training)
+        return torch.matmul(probs, v).to(out_dtype)

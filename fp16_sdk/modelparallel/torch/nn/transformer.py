@@ -18,6 +18,7 @@ from .layers import (ColumnParallelLinear, DistributedEmbedding, DistributedModu
 from .mappings import (TPContext, copy_to_tensor_parallel_region,
                        gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                        scatter_to_tensor_parallel_region)
+from .numerics import ATTENTION_OPTIONS, MLP_OPTIONS, resolve
 
 __all__ = [
     "DistributedTransformerOutputLayer",
@@ -32,7 +33,8 @@ _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 class DistributedTransformerOutputLayer(DistributedModule):
     """MLP block: [pre-LN] -> dense1 (column) -> act -> dense2 (row) -> dropout -> residual [-> LN].
 
-    Args: as DistributedTransformerLayer; `fp32_residual_addition` adds the residual in fp32.
+    Args: as DistributedTransformerLayer; fp32_residual_addition, fused_bias_gelu and
+        fused_dropout as nn/numerics.py (None: the creation context's value).
     Forward: hidden_states [N,S,H] -> [N,S,H].
 
     Raises:
@@ -44,7 +46,8 @@ class DistributedTransformerOutputLayer(DistributedModule):
                  hidden_dropout_prob: float = 0.1, activation: str = "gelu",
                  layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
                  use_normal_initialization: bool = False, pre_layernorm: bool = False,
-                 post_layernorm: bool = True, fp32_residual_addition: bool = False, *,
+                 post_layernorm: bool = True, fp32_residual_addition: bool | None = None, *,
+                 fused_bias_gelu: bool | None = None, fused_dropout: bool | None = None,
                  tp_context: TPContext | None = None):
         super().__init__(tp_context=tp_context)
         check_divisible("intermediate_size", intermediate_size, self.tp.size)
@@ -52,7 +55,15 @@ class DistributedTransformerOutputLayer(DistributedModule):
         if activation not in _ACTIVATIONS:
             raise SMPConfigError(f"activation ({activation!r}) must be 'gelu' or 'relu'",
                                  key="activation", value=activation)
-        self.activation, self.fp32_residual_addition = activation, fp32_residual_addition
+        self.activation = activation
+        self.fp32_residual_addition = resolve("fp32_residual_addition", fp32_residual_addition)
+        # CUDA fusions of the same operations; unfused here, identical results (numerics.py)
+        self.fused_bias_gelu = resolve("fused_bias_gelu", fused_bias_gelu)
+        self.fused_dropout = resolve("fused_dropout", fused_dropout)
+        if self.fused_bias_gelu and activation != "gelu":
+            raise SMPConfigError(f"fused_bias_gelu=True needs activation 'gelu' (got "
+                                 f"{activation!r}): pass fused_bias_gelu=False",
+                                 key="fused_bias_gelu", value=True)
         std = initializer_range if use_normal_initialization else None
         self.dense1 = ColumnParallelLinear(hidden_size, intermediate_size, std=std, tp_context=self.tp)
         self.dense2 = RowParallelLinear(intermediate_size, hidden_size, std=std, tp_context=self.tp)
@@ -105,17 +116,27 @@ class DistributedTransformerLayer(DistributedModule):
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True, *,
-                 tp_context: TPContext | None = None):
+                 attention_in_fp32: bool | None = None,
+                 query_key_layer_scaling: bool | None = None, fused_softmax: bool | None = None,
+                 fp32_residual_addition: bool | None = None, fused_bias_gelu: bool | None = None,
+                 fused_dropout: bool | None = None, tp_context: TPContext | None = None):
         super().__init__(tp_context=tp_context)
         kw = dict(locals())
         self.add_cross_attention = add_cross_attention
-        self.attention = DistributedAttentionLayer(**_layer_kwargs(kw, *_ATTN_ARGS), tp_context=self.tp)
+        attn = _layer_kwargs(kw, *_ATTN_ARGS, *ATTENTION_OPTIONS)
+        self.attention = DistributedAttentionLayer(**attn, tp_context=self.tp)
         if add_cross_attention:
-            self.cross_attention = DistributedAttentionLayer(
-                **_layer_kwargs(kw, *_ATTN_ARGS), cross_attention=True, tp_context=self.tp)
-        self.output = DistributedTransformerOutputLayer(**_layer_kwargs(kw, *_MLP_ARGS),
-                                                        tp_context=self.tp)
+            self.cross_attention = DistributedAttentionLayer(**attn, cross_attention=True,
+                                                             tp_context=self.tp)
+        self.output = DistributedTransformerOutputLayer(
+            **_layer_kwargs(kw, *_MLP_ARGS, *MLP_OPTIONS), tp_context=self.tp)
         self._finish()
+
+    def set_layer_number(self, number: int) -> None:
+        """1-based position in the stack: the query_key_layer_scaling coefficient."""
+        self.attention.layer_number = number
+        if self.add_cross_attention:
+            self.cross_attention.layer_number = number
 
     def forward(self, inputs):
         inputs = self._enter(inputs)
@@ -148,7 +169,10 @@ class DistributedTransformer(DistributedModule):
                  layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
                  use_normal_initialization: bool = False, causal_mask_size: int | None = None,
                  add_cross_attention: bool = False, pre_layernorm: bool = False,
-                 post_layernorm: bool = True, *, tp_context: TPContext | None = None):
+                 post_layernorm: bool = True, *, attention_in_fp32: bool | None = None,
+                 query_key_layer_scaling: bool | None = None, fused_softmax: bool | None = None,
+                 fp32_residual_addition: bool | None = None, fused_bias_gelu: bool | None = None,
+                 fused_dropout: bool | None = None, tp_context: TPContext | None = None):
         super().__init__(tp_context=tp_context)
         check_layernorm_flags(pre_layernorm, post_layernorm)
         kw = dict(locals())
@@ -160,6 +184,8 @@ class DistributedTransformer(DistributedModule):
         self.num_layers = num_layers
         self.seq_layers = nn.Sequential(*(DistributedTransformerLayer(**kw, tp_context=self.tp)
                                           for _ in range(num_layers)))
+        for i, layer in enumerate(self.seq_layers):
+            layer.set_layer_number(i + 1)
         self.output_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) if both else None
         self._finish()
 
@@ -200,7 +226,10 @@ class DistributedTransformerLMHead(DistributedModule):
                  add_cross_attention: bool = False, add_lm_head: bool = True,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True, *,
-                 tp_context: TPContext | None = None):
+                 attention_in_fp32: bool | None = None,
+                 query_key_layer_scaling: bool | None = None, fused_softmax: bool | None = None,
+                 fp32_residual_addition: bool | None = None, fused_bias_gelu: bool | None = None,
+                 fused_dropout: bool | None = None, tp_context: TPContext | None = None):
         super().__init__(tp_context=tp_context)
         check_divisible("hidden_size", hidden_size, self.tp.size)
         kw = dict(locals())

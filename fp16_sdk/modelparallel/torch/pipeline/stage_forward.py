@@ -45,13 +45,17 @@ class StageForward:
         self.stage, self.last = stage, num_stages - 1
         self._ctx: _Context | None = None
         own = [i for i, s in enumerate(partition.block_stage) if s == stage]
+        # A patched module's own computation stays reachable as `_smp_stage_inner`, so that
+        # activation checkpointing applied after partitioning wraps it, not the stage logic.
         for i, owner in enumerate(partition.block_stage):
             block = module.get_submodule(partition.block_name(i))
-            block.forward = self._block_forward(block.forward, owner, i == own[-1])
+            block._smp_stage_inner = block.forward
+            block.forward = self._block_forward(block, owner, i == own[-1])
         if stage > 0:
             for name in partition.pre:
                 sub = module.get_submodule(name)
-                sub.forward = self._pre_forward(sub.forward)
+                sub._smp_stage_inner = sub.forward
+                sub.forward = self._pre_forward(sub)
 
     def run(self, forward: Callable, args, kwargs, received) -> tuple[bool, Any]:
         """Call `forward(*args, **kwargs)` as this stage; `received` is the activation from
@@ -69,25 +73,25 @@ class StageForward:
         finally:
             self._ctx = None
 
-    def _block_forward(self, original, owner: int, ends_stage: bool):
+    def _block_forward(self, block: nn.Module, owner: int, ends_stage: bool):
         def forward(*args, **kwargs):
             ctx = self._ctx
             if ctx is None:
-                return original(*args, **kwargs)
+                return block._smp_stage_inner(*args, **kwargs)
             ctx.reached_blocks = True
             if owner < self.stage:
                 return ctx.received
-            out = original(*args, **kwargs)
+            out = block._smp_stage_inner(*args, **kwargs)
             if ends_stage and self.stage < self.last:
                 raise _StageDone(out)
             return out
         return forward
 
-    def _pre_forward(self, original):
+    def _pre_forward(self, sub: nn.Module):
         def forward(*args, **kwargs):
             ctx = self._ctx
             if ctx is not None and not ctx.reached_blocks:
                 with torch.no_grad():
-                    return original(*args, **kwargs)
-            return original(*args, **kwargs)
+                    return sub._smp_stage_inner(*args, **kwargs)
+            return sub._smp_stage_inner(*args, **kwargs)
         return forward
