@@ -81,6 +81,7 @@ def test_killing_the_fit_process_stops_every_host_and_rank(tmp_path, sig):
         left = wait_gone(job, GONE_WITHIN_S)
         took = time.monotonic() - start
         assert not left, f"still running {took:.1f}s after {sig.name}: {[p.cmdline for p in left]}"
+        print(f"{sig.name}: the job's {len(job)} processes were gone after {took:.2f}s")
         assert not with_env("LIFETIME_RUN", marker)  # nothing new either
         driver.wait(timeout=30)
     finally:
