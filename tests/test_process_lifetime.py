@@ -12,12 +12,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from fp16_sdk.backends.base import JobStatus
+from fp16_sdk.pytorch import PyTorch
 from proc_utils import kill_all, wait_gone, with_env
 from test_toolkit import make_job, toolkit_env
 
@@ -176,6 +179,26 @@ def test_script_that_exits_0_is_a_success_even_when_sigterm_follows(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (base / "output" / "success").exists()
     assert not (base / "output" / "failure").exists()
+
+
+def test_a_job_started_from_a_thread_outlives_that_thread(tmp_path):
+    """The kill domain is the SDK process, not the thread that called fit() (the reason for a
+    lifeline pipe over PR_SET_PDEATHSIG, which fires when the starting thread ends)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "late.py").write_text(
+        "import os, time\n"
+        "time.sleep(2)  # the starting thread is long gone by now\n"
+        "open(os.path.join(os.environ['SM_MODEL_DIR'], 'done'), 'w').write('yes')\n")
+    est = PyTorch("late.py", framework_version="2.13", py_version="py311", source_dir=str(src),
+                  instance_type="local_process", instance_count=1,
+                  output_path=str(tmp_path / "jobs"))
+    starter = threading.Thread(target=est.fit, kwargs={"wait": False})
+    starter.start()
+    starter.join()
+    job = est.latest_training_job
+    job.wait(logs=False)
+    assert job.status is JobStatus.COMPLETED, job.log_lines()[-20:]
 
 
 # ---- the session's own leak check (tests/conftest.py), run on a small suite of its own ------
