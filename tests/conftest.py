@@ -1,8 +1,36 @@
-"""Shared test hygiene: every test module starts without a leftover smp runtime or process group."""
+"""Shared test hygiene.
 
+- Every test module starts without a leftover smp runtime or process group.
+- The session leaves no process, container or Docker network behind. At the start it records
+  what already exists and puts a session marker in the environment that every child inherits;
+  at the end, whatever it started that still runs ten seconds later is killed, listed, and the
+  run fails (exit status 1) even when every test passed.
+
+"What the session started": new processes (pid and start time not in the first snapshot) that
+descend from this pytest process, carry the marker, or run from this checkout or the session's
+temporary folder (command line or working directory: a test that builds its environment from
+scratch loses the marker). Not counted: multiprocessing's resource tracker and forkserver, which
+exit when this process does (they watch a pipe from it). Containers and networks: the ones
+labelled `fp16_sdk.job` that were not there at the start (one test session per Docker engine,
+as in CI; without a reachable engine that part is skipped, the Docker tests say why).
+"""
+
+from __future__ import annotations
+
+import os
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
+
+from proc_utils import Proc, descendants_of, kill_all, scan, wait_gone
+
+SESSION_VAR = "FP16_SDK_TEST_SESSION"
+LEAK_WAIT_S = 10.0  # the issue's promptness bound: a job's processes are gone within 10 s
+_REPO = Path(__file__).resolve().parent.parent
+_BOUND_TO_US = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_LABEL = "fp16_sdk.job"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -15,3 +43,96 @@ def _fresh_runtime():
     smp_state = sys.modules.get("fp16_sdk.modelparallel.torch.state")
     if smp_state is not None:
         smp_state.state.reset()
+
+
+# ---- the leak check -------------------------------------------------------------------------
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r + "/") for r in roots)
+
+
+def _mentions(proc: Proc, roots: tuple[str, ...]) -> bool:
+    return _under(proc.cwd, roots) or any(_under(word, roots) for word in proc.cmdline.split())
+
+
+def _session_processes(session: pytest.Session) -> list[Proc]:
+    baseline, marker, roots = session.stash[_BASELINE], session.stash[_MARKER], session.stash[_ROOTS]
+    procs = [p for p in scan() if p.key not in baseline]
+    below = {p.key for p in descendants_of(os.getpid(), procs)}
+    return [p for p in procs
+            if (p.key in below or marker in p.environ or _mentions(p, roots))
+            and not any(name in p.cmdline for name in _BOUND_TO_US)]
+
+
+def _docker_client():
+    try:
+        import docker
+        client = docker.from_env(timeout=10)
+        client.ping()
+        return client
+    except Exception:  # noqa: BLE001 - no SDK, no engine: nothing of ours can exist there
+        return None
+
+
+def _docker_resources(client) -> dict[str, tuple[str, object]]:
+    """id -> (kind, resource) for every container and network carrying the project's label."""
+    found = {c.id: ("container", c)
+             for c in client.containers.list(all=True, filters={"label": _LABEL})}
+    found.update({n.id: ("network", n) for n in client.networks.list(filters={"label": _LABEL})})
+    return found
+
+
+_BASELINE = pytest.StashKey[set]()
+_MARKER = pytest.StashKey[bytes]()
+_ROOTS = pytest.StashKey[tuple]()
+_DOCKER = pytest.StashKey[tuple]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    token = uuid.uuid4().hex
+    os.environ[SESSION_VAR] = token
+    session.stash[_MARKER] = f"{SESSION_VAR}={token}".encode()
+    session.stash[_BASELINE] = {p.key for p in scan()}
+    basetemp = session.config._tmp_path_factory.getbasetemp()  # pytest's tmp_path root
+    session.stash[_ROOTS] = (str(_REPO), str(basetemp.resolve()))
+    client = _docker_client()
+    session.stash[_DOCKER] = (client, set(_docker_resources(client)) if client else set())
+
+
+def _leaked_docker(session: pytest.Session) -> list[str]:
+    """Remove the labelled containers and networks the session created; describe each."""
+    client, before = session.stash[_DOCKER]
+    if client is None:
+        return []
+    leaked = []
+    new = [(kind, res) for rid, (kind, res) in _docker_resources(client).items()
+           if rid not in before]
+    for kind, res in sorted(new, key=lambda kr: kr[0]):  # containers before their networks
+        leaked.append(f"{kind} {res.name} ({res.id[:12]})")
+        try:
+            if kind == "container":
+                res.remove(force=True)
+            else:
+                res.remove()
+        except Exception as exc:  # noqa: BLE001 - report it, the run fails anyway
+            leaked[-1] += f"; removing it failed: {exc}"
+    return leaked
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = wait_gone(_session_processes(session), LEAK_WAIT_S)
+    kill_all(left)
+    lines = [f"process {p.pid} (parent {p.ppid}, cwd {p.cwd}): {p.cmdline[:300]}" for p in left]
+    lines += _leaked_docker(session)
+    if not lines:
+        return
+    lines.insert(0, f"LEAK: the test session left {len(lines)} thing(s) behind; killed or "
+                    "removed now, and the run fails:")
+    report = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        if report is not None:
+            report.write_line(line, red=True)
+        else:
+            print(line, file=sys.stderr)
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

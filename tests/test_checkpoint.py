@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ import torch
 
 from fp16_sdk.modelparallel.torch import checkpoint_files as cf
 from mp_utils import free_port, run_ranks
+from proc_utils import kill_all, wait_gone, with_env
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ckpt_train.py"
@@ -160,7 +161,9 @@ def test_interrupted_save_leaves_the_previous_checkpoint(straight, tmp_path):
     want, _ = straight
     ck = tmp_path / "ck"
     args = ("--steps", 8, "--checkpoint_every", 4, "--ckpt_dir", ck, "--out", tmp_path / "x")
-    env = _env(DP2, FP16_SDK_CKPT_TEST_PAUSE_AFTER="step8_partial/optimizer_0_0.pt")
+    marker = uuid.uuid4().hex  # torchrun's workers run in sessions of their own: find them by it
+    env = _env(DP2, FP16_SDK_CKPT_TEST_PAUSE_AFTER="step8_partial/optimizer_0_0.pt",
+               CKPT_TEST_RUN=marker)
     proc = subprocess.Popen(_cmd(2, *args), env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     b = ck / "step8_partial"
@@ -170,8 +173,10 @@ def test_interrupted_save_leaves_the_previous_checkpoint(straight, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "save B never paused"
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # mid-save: between two files of rank 0
+        run = with_env("CKPT_TEST_RUN", marker)  # torchrun and both ranks
+        kill_all(run)  # mid-save: between two files of rank 0
         proc.wait(timeout=30)
+        assert not wait_gone(run, 10)
     assert (ck / "newest").read_text().split() == ["step4_partial"]
     assert not (b / ".complete.json").exists()
 

@@ -336,3 +336,38 @@ def test_host_tree_config_files_and_sharding(tmp_path):
     with tarfile.open(paths["model"]) as tar:
         assert sorted(tar.getnames()) == ["only2.txt", "w.pt"]
         assert tar.extractfile("w.pt").read() == b"host1"  # algo-1 wins a clash
+
+
+def _tree(tmp_path):
+    from fp16_sdk.backends import local_common as lc
+    root = tmp_path / "algo-1"
+    (root / "output").mkdir(parents=True)
+    return lc, lc.HostTree(host="algo-1", root=root)
+
+
+@pytest.mark.parametrize("plant", ["file_link", "folder_link", "fifo"])
+def test_failure_file_that_is_a_link_or_fifo_is_not_read(tmp_path, plant):
+    lc, tree = _tree(tmp_path)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "failure").write_text("ExitCode 7\nhost secret\n")
+    if plant == "file_link":
+        tree.failure_file.symlink_to(secret / "failure")
+    elif plant == "folder_link":
+        (tree.root / "output").rmdir()
+        (tree.root / "output").symlink_to(secret)
+    else:
+        os.mkfifo(tree.failure_file)  # nobody ever writes: a blocking open would hang here
+    code, text = lc.read_failure(tree)
+    assert code is None and "host secret" not in text
+    assert f"{tree.failure_file} was not read" in text, text
+
+
+def test_failure_file_is_read_bounded_and_cut_characters_replaced(tmp_path):
+    lc, tree = _tree(tmp_path)
+    body = b"ExitCode 3\n" + b"x" * (lc.FAILURE_FILE_LIMIT - 12) + "é".encode()  # é cut in two
+    tree.failure_file.write_bytes(body + b"y" * 10_000_000)
+    code, text = lc.read_failure(tree)
+    assert code == 3
+    assert text.endswith(f"x\ufffd\n[failure file cut at {lc.FAILURE_FILE_LIMIT} bytes]")
+    assert len(text) < lc.FAILURE_FILE_LIMIT + 100

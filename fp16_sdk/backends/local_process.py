@@ -10,13 +10,20 @@ in arrival order, so `wait()`/`logs()` can replay and follow them at any time.
 No process survives the job: every process the job starts carries a job token in its
 environment (torchrun puts its workers in sessions of their own, out of reach of a process
 group signal), and stopping sends SIGTERM to every such process, then SIGKILL after a grace
-period (`backend_options["stop_grace_s"]`, default 5 s). The same happens on Ctrl-C in
-`wait()` and at interpreter exit for jobs still running.
+period (`backend_options["stop_grace_s"]`, default 5 s). The same happens on Ctrl-C or
+SIGTERM in `wait()` and at interpreter exit for jobs still running.
+
+Nor does any process survive the SDK: each toolkit holds the read end of a pipe (its
+"lifeline", `FP16_SDK_LIFELINE_FD`) whose write end only this process holds. When this process
+dies, SIGKILL included, the pipe reaches end of file and every toolkit stops its own tree
+(SIGTERM, then SIGKILL after the same grace period, `FP16_SDK_STOP_GRACE_S`); being the
+subreaper of its tree, a toolkit also reaches workers whose torchrun died first.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -67,6 +74,32 @@ def _pids_with_token(token: str) -> list[int]:
     return found
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived while `wait()` had the main thread (see `_sigterm_raises`)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Within the block, SIGTERM raises _Terminated, so `wait()` can stop the job first.
+
+    Only on the main thread and only while SIGTERM has its default action: a handler of the
+    user's own is left alone (the lifelines still stop the job if that handler exits).
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def raise_terminated(_signum, _frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _signal(pid: int, sig: int, *, group: bool = False) -> None:
     try:
         (os.killpg if group else os.kill)(pid, sig)
@@ -108,6 +141,7 @@ class LocalProcessJob(JobHandle):
         self._token = uuid.uuid4().hex
         self._grace = float(spec.backend_options.get("stop_grace_s", 5.0))
         self._procs: dict[str, subprocess.Popen] = {}
+        self._lifeline: int | None = None  # the pipe's write end, open while the job runs
         self._trees: list[lc.HostTree] = []
         self._readers: list[threading.Thread] = []
         self._log = lc.JobLog()
@@ -121,7 +155,7 @@ class LocalProcessJob(JobHandle):
 
     # ---- starting ----------------------------------------------------------------------
 
-    def _host_env(self, tree: lc.HostTree, port: int) -> dict[str, str]:
+    def _host_env(self, tree: lc.HostTree, port: int, lifeline: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.spec.environment)
         package_root = str(Path(fp16_sdk.__file__).resolve().parent.parent)
@@ -131,6 +165,8 @@ class LocalProcessJob(JobHandle):
             "FP16_SDK_MASTER_PORT": str(port),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p),
+            "FP16_SDK_LIFELINE_FD": str(lifeline),
+            "FP16_SDK_STOP_GRACE_S": str(self._grace),
             TOKEN_VAR: self._token,
         })
         return env
@@ -142,12 +178,16 @@ class LocalProcessJob(JobHandle):
                        for h in self.spec.hosts]
         port = _free_port()
         self._start_time = dt.datetime.now(dt.timezone.utc)
+        # Both ends are close-on-exec: no other child of this process inherits the write end
+        # (which would keep the pipe open after we die); each toolkit gets the read end only.
+        read_end, self._lifeline = os.pipe()
         try:
             for tree in self._trees:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "fp16_sdk.toolkit"], cwd=tree.root,
-                    env=self._host_env(tree, port), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                    env=self._host_env(tree, port, read_end), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                    pass_fds=(read_end,))
                 self._procs[tree.host] = proc
                 reader = threading.Thread(target=self._read, args=(tree.host, proc),
                                           name=f"{self.name}-{tree.host}-reader", daemon=True)
@@ -155,7 +195,10 @@ class LocalProcessJob(JobHandle):
                 self._readers.append(reader)
         except OSError as exc:
             self._terminate_all()
+            self._close_lifeline()
             raise BackendError(f"could not start host {tree.host} of job {self.name}: {exc}") from exc
+        finally:
+            os.close(read_end)
         _LIVE.add(self)
         threading.Thread(target=self._supervise, name=f"{self.name}-supervisor",
                          daemon=True).start()
@@ -207,7 +250,13 @@ class LocalProcessJob(JobHandle):
         for proc in self._procs.values():
             proc.wait()
 
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
+
     def _finish(self, failed_host: str | None, reason: str | None) -> None:
+        self._close_lifeline()  # every toolkit has exited: nobody reads it any more
         for reader in self._readers:
             reader.join(timeout=5.0)
         self._exit_codes = {h: p.returncode for h, p in self._procs.items()}
@@ -248,16 +297,23 @@ class LocalProcessJob(JobHandle):
     def wait(self, logs: bool | str = True) -> None:
         """Block until the job ends, printing its log lines unless logs is False/"None".
 
-        Ctrl-C stops the job (no process survives) and re-raises KeyboardInterrupt.
+        Ctrl-C stops the job (no process survives) and re-raises KeyboardInterrupt. SIGTERM
+        stops the job the same way, then ends this process as SIGTERM's default action does
+        (a second SIGTERM during the stop ends it at once; the lifelines finish the stop).
 
         Raises:
             TrainingJobFailedError: a host failed (host, exit code, failure-file text).
         """
         try:
-            self._log.follow(show=logs not in (False, "None"))
+            with _sigterm_raises():
+                self._log.follow(show=logs not in (False, "None"))
         except KeyboardInterrupt:
             self.stop()
             raise
+        except _Terminated:
+            self.stop()
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action is back: we end here
+            raise SystemExit(128 + signal.SIGTERM)  # not reached: SIGTERM ends the process
         if self._error is not None:
             raise self._error
 

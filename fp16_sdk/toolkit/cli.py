@@ -7,7 +7,13 @@ the script (directly, or through torchrun when a distribution is enabled), then 
 
 Exit status: 0 on success. On failure the toolkit exits 1, as SageMaker's does; the real exit
 code of the script is the first line of `output/failure` (`ExitCode N`). When the toolkit is
-stopped by SIGTERM/SIGINT it exits 128 + the signal number after the tree is gone.
+stopped by SIGTERM/SIGINT it exits 128 + the signal number after the tree is gone. A script
+that exited 0 is a success even when a stop signal arrived afterwards: never a failure file.
+
+Local backends pass two more variables (see `process` for why):
+`FP16_SDK_LIFELINE_FD`, a pipe that reaches end of file when the SDK process dies (the
+toolkit then stops its tree as on SIGTERM), and `FP16_SDK_STOP_GRACE_S`, the seconds between
+SIGTERM and SIGKILL for the tree (default 30).
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import traceback
 from typing import Mapping, Sequence
 
 from fp16_sdk import __version__
-from fp16_sdk.errors import SDKError
+from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
-from fp16_sdk.toolkit.process import run_process
+from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, become_subreaper, run_process,
+                                      watch_lifeline)
 
 __all__ = ["main", "run_training", "failure_text"]
 
@@ -107,6 +114,7 @@ def run_training(environ: Mapping[str, str]) -> int:
             # torchrun's rendezvous needs only the master's address; waiting for every host
             # would hang on a host whose container already finished and left the network DNS.
             wait_for_hosts(config.hosts[:1], environ)
+        grace_s = _grace_s(environ)
         num_gpus = count_gpus(environ)
         plan = build_plan(config, code_dir=paths.code, num_gpus=num_gpus, environ=environ)
         sm_env = build_env(config, paths=paths, num_cpus=count_cpus(), num_gpus=num_gpus,
@@ -137,9 +145,10 @@ def run_training(environ: Mapping[str, str]) -> int:
     _say(f"host {config.current_host} ({config.hosts.index(config.current_host) + 1}/"
          f"{len(config.hosts)}), {plan.nproc_per_node} process(es), "
          f"{'torchrun' if plan.distributed else 'direct'}: {_display(plan.argv)}")
-    result = run_process(plan.argv, env=child_env, cwd=paths.code)
+    result = run_process(plan.argv, env=child_env, cwd=paths.code,
+                         grace_s=grace_s)
     elapsed = time.monotonic() - start
-    if result.stopped_by is not None:
+    if result.stopped_by is not None and result.exit_code != 0:
         _fail(paths, failure_text(result.exit_code, plan.argv, result.stderr_tail))
         _say(f"stopped by signal {result.stopped_by} after {elapsed:.1f}s")
         return 128 + result.stopped_by
@@ -151,7 +160,55 @@ def run_training(environ: Mapping[str, str]) -> int:
     return 0
 
 
+def _grace_s(environ: Mapping[str, str]) -> float:
+    """FP16_SDK_STOP_GRACE_S, else DEFAULT_GRACE_S.
+
+    Raises:
+        ConfigError: not a number >= 0.
+    """
+    text = environ.get("FP16_SDK_STOP_GRACE_S")
+    if text is None:
+        return DEFAULT_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise ConfigError(f"FP16_SDK_STOP_GRACE_S must be a number of seconds >= 0, got "
+                          f"{text!r}", key="FP16_SDK_STOP_GRACE_S", value=text)
+    return value
+
+
+def _lifeline_fd(environ: Mapping[str, str]) -> int | None:
+    """FP16_SDK_LIFELINE_FD as an open descriptor number, or None when unset.
+
+    Raises:
+        ConfigError: not an open file descriptor.
+    """
+    text = environ.get("FP16_SDK_LIFELINE_FD")
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise ConfigError(f"FP16_SDK_LIFELINE_FD must be a file descriptor number, got {text!r}",
+                          key="FP16_SDK_LIFELINE_FD", value=text)
+    try:
+        os.fstat(int(text))
+    except OSError as exc:
+        raise ConfigError(f"FP16_SDK_LIFELINE_FD={text} is not an open descriptor ({exc}); the "
+                          "local backend passes it, unset it to run the toolkit by hand",
+                          key="FP16_SDK_LIFELINE_FD", value=text) from exc
+    return int(text)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console script `train` (the argument SageMaker passes to the image is ignored)."""
     del argv
+    try:
+        fd = _lifeline_fd(os.environ)
+    except ConfigError as exc:
+        sys.exit(_fail(Paths.from_environ(os.environ),
+                       f"ExitCode 1\nCommand: train\nErrorMessage: ConfigError: {exc}\n"))
+    become_subreaper()  # orphaned workers stay in our tree (a no-op outside Linux)
+    if fd is not None:
+        watch_lifeline(fd)
     sys.exit(run_training(os.environ))

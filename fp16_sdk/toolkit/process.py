@@ -5,11 +5,23 @@ stop, Ctrl-C on a local job) reaches the toolkit first; the toolkit then signals
 process below it. torchrun starts each worker in a session of its own, so killing the child's
 process group is not enough: we also walk /proc for descendants and signal each of them and
 their process groups, then SIGKILL whatever is left after a grace period.
+
+Two guards keep that tree complete and bound to whoever started the toolkit (`train` calls
+both at start):
+- `become_subreaper()`: the toolkit is the child subreaper of its tree, so a worker whose
+  torchrun died is reparented to the toolkit instead of init and is still a descendant.
+- `watch_lifeline(fd)`: local backends hand the toolkit the read end of a pipe whose write end
+  only the SDK process holds. End of file means that process is gone, however it died (SIGKILL
+  included); the toolkit then stops as if it had received SIGTERM. A pipe rather than
+  PR_SET_PDEATHSIG: the death signal fires when the *thread* that started the child ends, and
+  the SDK may call `fit()` from a short-lived thread; a pipe closes only with the process.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import os
 import signal
 import subprocess
@@ -20,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["ProcessResult", "run_process", "descendants", "DEFAULT_GRACE_S", "TAIL_LINES"]
+__all__ = ["ProcessResult", "run_process", "descendants", "become_subreaper", "watch_lifeline",
+           "DEFAULT_GRACE_S", "TAIL_LINES"]
 
 DEFAULT_GRACE_S = 30.0  # SIGTERM -> SIGKILL; SageMaker allows 120 s for the whole container
 TAIL_LINES = 100
@@ -66,6 +79,66 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+_PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+_SUBREAPER = threading.Event()  # set once this process is a subreaper: orphans are ours to reap
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants reparent to this process (Linux); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        return False
+    _SUBREAPER.set()
+    return True
+
+
+def watch_lifeline(fd: int, *, sig: int = signal.SIGTERM) -> threading.Thread:
+    """Send `sig` to this process when `fd` (a pipe's read end) reaches end of file.
+
+    Nothing is ever written to the pipe: end of file comes when the last holder of the write
+    end, the SDK process, is gone. Our stdout/stderr went to that process, so they are pointed
+    at /dev/null first: the shutdown must not die of a broken pipe halfway.
+    """
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 4096):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break  # a closed or bad descriptor: treat as the SDK gone
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for std in (1, 2):
+            os.dup2(devnull, std)
+        os.kill(os.getpid(), sig)
+
+    thread = threading.Thread(target=watch, name="sdk-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def _reap_orphans(keep: int) -> None:
+    """Reap exited orphans that were reparented to us (subreaper), never `keep` (Popen's).
+
+    Only in a subreaper: elsewhere (run_process called inside a test) the other children
+    belong to other Popen objects, whose exit status must not be stolen.
+    """
+    while _SUBREAPER.is_set():
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == keep:
+            return
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:
+            return
+
+
 class _Tree:
     """The child and everything it started, remembered so orphans can still be killed."""
 
@@ -75,6 +148,8 @@ class _Tree:
 
     def refresh(self) -> None:
         self.known.update(descendants(self.proc.pid))
+        if _SUBREAPER.is_set():  # orphans of the tree were reparented to us: still ours
+            self.known.update(descendants(os.getpid()))
 
     def signal(self, sig: int) -> None:
         self.refresh()
@@ -98,6 +173,7 @@ class _Tree:
     def alive(self) -> bool:
         if self.proc.poll() is None:
             return True
+        self.refresh()  # orphans the subreaper adopted since the last look
         return any(_pid_alive(pid) for pid in self.known)
 
 
@@ -141,7 +217,7 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
 
     stdout is inherited (zero copies); stderr goes through a pipe that is copied to our stderr
     and remembered. On a forwarded signal the whole tree gets SIGTERM, then SIGKILL after
-    `grace_s`. Signal handlers are installed only when called from the main thread.
+    `grace_s`; so do processes still running after the child itself exited. Signal handlers are installed only when called from the main thread.
 
     Args:
         argv: the command (never a shell string).
@@ -173,17 +249,27 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
     try:
         while proc.poll() is None and not received:
             tree.refresh()  # remember workers while they live, to reach them if orphaned
+            _reap_orphans(proc.pid)
             try:
                 proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
-        if received:
+        # The child ended by itself but left processes (workers of a torchrun that was killed,
+        # a daemon): a tree never outlives its root, they get the same SIGTERM/SIGKILL.
+        stray = not received and tree.alive()
+        if stray:
+            tree.signal(signal.SIGTERM)
+        if received or stray:
             deadline = time.monotonic() + grace_s
             while tree.alive() and time.monotonic() < deadline:
                 time.sleep(0.1)
             if tree.alive():
                 tree.signal(signal.SIGKILL)
+                deadline = time.monotonic() + 5.0  # SIGKILL is not instant either
+                while tree.alive() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             proc.wait()
+            _reap_orphans(proc.pid)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
