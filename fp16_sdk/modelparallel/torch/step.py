@@ -223,6 +223,7 @@ class _StepFunction:
                 model._post_step()
                 if model._pipeline_enabled:  # bodies that disagreed across stages: now that
                     model._pipeline.raise_disagreement()  # the step's collectives are done
+                model._run_post_step_hooks()  # register_post_step_hook: once, after a step
         finally:
             state.in_step = False
             state.microbatch = None
