@@ -215,7 +215,8 @@ def test_packaging_imports_neither_torch_nor_boto3():
 
 
 def test_smdistributed_modelparallel_has_version():
-    """AWS's examples and transformers read `smdistributed.modelparallel.__version__`."""
+    """AWS's examples and transformers read `smdistributed.modelparallel.__version__`: the smp
+    API release implemented (transformers takes its smp >= 1.10 paths only from 1.10 on)."""
     import smdistributed.modelparallel as smp_pkg
-    import fp16_sdk
-    assert smp_pkg.__version__ == fp16_sdk.__version__
+    major, minor, _ = (int(x) for x in smp_pkg.__version__.split("."))
+    assert major == 1 and 10 <= minor <= 16, smp_pkg.__version__

@@ -98,6 +98,40 @@ ATTRIBUTES = {
 }
 
 
+# How Hugging Face's Trainer meets this runtime (tests/test_hf_trainer.py shows each line).
+HF_TRAINER = [
+    "## Hugging Face Trainer", "",
+    "transformers' `Trainer` runs its own smp path, unchanged (verified with transformers "
+    "4.46.3 and accelerate 1.1.1, the `test` extras): it turns smp on when "
+    "`SM_HP_MP_PARAMETERS` holds `partitions` (the estimator keeps the user's key), "
+    "`SM_FRAMEWORK_PARAMS` has `sagemaker_mpi_enabled` and `smdistributed` imports; "
+    "`smdistributed.modelparallel.__version__` is the smp API release implemented (1.16.0), so "
+    "it takes its smp >= 1.10 code. train, evaluate, predict, `save_model` (a directory plain "
+    "`from_pretrained` loads), checkpoints and `resume_from_checkpoint` work.", "",
+    "- What it calls: `smp.init`, `smp.DistributedModel` (wrapped again by `evaluate()` / "
+    "`predict()` before `train()`: the same module returns the same model), "
+    "`smp.DistributedOptimizer` and `.clip_master_grads`, `@smp.step` bodies returning "
+    "`ModelOutput`s (any picklable value crosses pipeline stages), `StepOutput.reduce_mean` / "
+    "`.concat`, `smp.allgather`, `smp.barrier`, `model.state_dict()`, "
+    "`optimizer.local_state_dict(gather_if_shard=False)`, `smp.save(..., partial=True, v3=...)`"
+    ", `smp.load(..., partial=True)`, `register_post_step_hook` (the resumed optimizer state, "
+    "applied once after the first step), `smp.resume_from_checkpoint(..., partial=False)` and "
+    "`smp.state.module_manager.translate_functions` (empty: state dicts already have the plain "
+    "module's keys).",
+    "- Data: accelerate shards the loaders over every process, and the pipeline computes "
+    "pipeline rank 0's batches, as smp does (stages > 0 run the forward with stage 0's "
+    "arguments); evaluate() and predict() report pipeline rank 0's rows, and predict()'s "
+    "gathered predictions hold one copy per process of the pipeline.",
+    "- On a CPU: transformers' device setup under smp is `torch.device(\"cuda\", "
+    "smp.local_rank())`; override `TrainingArguments._setup_devices` to return "
+    "`smp.state.device` (tests/scripts/hf_trainer_train.py).",
+    "- Resume needs `save_safetensors=False` (transformers' smp branch resumes from "
+    "`pytorch_model.bin` by name); with torch >= 2.6 set `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1` "
+    "(transformers 4.46.3 reads its own rng_state.pth with a bare `torch.load`).",
+    "",
+]
+
+
 def _default(value) -> str:
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
@@ -233,6 +267,7 @@ def render() -> str:
         for name in rest:
             lines += describe(name, getattr(smp, name))
         lines.append("")
+    lines += HF_TRAINER
     if missing:
         lines += ["## Not provided yet", "",
                   "Part of the smp v1 API but not exported by this runtime yet; calling them "

@@ -16,6 +16,7 @@ placeholders, so it holds and steps only the local part, and nothing it copied g
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -76,9 +77,20 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
 class DistributedModel(nn.Module):
     """Wraps the training script's module; see spec §4 for every argument.
 
+    One DistributedModel per process, as in smp. Wrapping the module that is already wrapped
+    again (Hugging Face's Trainer does so when `evaluate()` or `predict()` runs before
+    `train()`) returns the existing DistributedModel, provided the arguments are the same.
+
     Raises:
-        SMPError: a second DistributedModel in the process; bad arguments.
+        SMPError: a second DistributedModel of another module, or of the same module with
+            other arguments; bad arguments.
     """
+
+    def __new__(cls, module=None, *args, **kwargs):
+        existing = state.model
+        if isinstance(existing, cls) and module is not None and existing._wraps(module):
+            return existing  # __init__ then checks the arguments and changes nothing
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
                  trace_execution_times: bool = False, overlapping_allreduce: bool = True,
@@ -86,9 +98,20 @@ class DistributedModel(nn.Module):
                  bucket_cap_mb: float = 25, trace_memory_usage: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = False):
         state.require_init("smp.DistributedModel")
+        given = dict(trace_device=trace_device, trace_execution_times=trace_execution_times,
+                     overlapping_allreduce=overlapping_allreduce,
+                     backward_passes_per_step=backward_passes_per_step,
+                     average_grads_across_microbatches=average_grads_across_microbatches,
+                     bucket_cap_mb=bucket_cap_mb, trace_memory_usage=trace_memory_usage,
+                     broadcast_buffers=broadcast_buffers,
+                     gradient_as_bucket_view=gradient_as_bucket_view)
+        if state.model is self:  # the same module wrapped again (see __new__)
+            self._check_rewrap(given)
+            return
         if state.model is not None:
-            raise SMPError("only one smp.DistributedModel may exist per process; wrap the whole "
-                           "model once")
+            raise SMPError("only one smp.DistributedModel may exist per process (as in smp); "
+                           "wrap the whole model once (wrapping the same module again returns "
+                           "the existing DistributedModel)")
         if trace_device not in ("gpu", "cpu"):
             raise SMPConfigError(f"trace_device ({trace_device!r}) must be 'gpu' or 'cpu'",
                                  key="trace_device", value=trace_device)
@@ -100,6 +123,8 @@ class DistributedModel(nn.Module):
             raise SMPConfigError(f"bucket_cap_mb ({bucket_cap_mb!r}) must be > 0",
                                  key="bucket_cap_mb", value=bucket_cap_mb)
         super().__init__()
+        self._wrapped_input = weakref.ref(module)  # what the script passed (TP may replace it)
+        self._wrap_args = given
         if state.topology.tp > 1:
             module = _distribute_tp(module)
         from .activation_checkpointing import apply_recorded
@@ -131,6 +156,17 @@ class DistributedModel(nn.Module):
         self._sync_this_step = False
         state.model = self
         self._partition()
+
+    def _wraps(self, module: nn.Module) -> bool:
+        return module is self.module or module is self._wrapped_input()
+
+    def _check_rewrap(self, given: dict) -> None:
+        changed = {k: (self._wrap_args[k], v) for k, v in given.items()
+                   if self._wrap_args[k] != v}
+        if changed:
+            detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise SMPError(f"smp.DistributedModel: this module is already wrapped with other "
+                           f"arguments ({detail}); wrap it once, or pass the same arguments")
 
     # ---- partitioning, broadcast, reducer -----------------------------------------------------
     @property
@@ -217,10 +253,12 @@ class DistributedModel(nn.Module):
         if self._backwards_in_step:
             self._backward_steps += 1
 
-    def _run_post_step_hooks(self, optimizer) -> None:
-        """Called by DistributedOptimizer.step() after the inner step."""
-        for hook in list(self._post_step_hooks.values()):
-            hook(self, optimizer)
+    def _run_post_step_hooks(self) -> None:
+        """Called by smp.step at the end of every step: the hooks waiting run, once each."""
+        hooks = list(self._post_step_hooks.values())
+        self._post_step_hooks.clear()
+        for hook in hooks:
+            hook(self, state.optimizer)
 
     # ---- forward / backward -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -326,8 +364,17 @@ class DistributedModel(nn.Module):
         self._post_partition_hooks[handle.id] = hook
         return handle
 
-    def register_post_step_hook(self, hook) -> RemovableHandle:
-        """Run `hook(model, optimizer)` after every optimizer.step()."""
+    def register_post_step_hook(self, hook) -> RemovableHandle | None:
+        """Run `hook(model, optimizer)` once, at the end of the next `smp.step` (after its
+        backward and gradient reduction, before the script's optimizer.step()); when a step
+        already ran and the DistributedOptimizer exists, run it now (as smp does).
+
+        Returns:
+            A RemovableHandle, or None when the hook ran at once.
+        """
+        if self._hooks_ran and state.optimizer is not None:
+            hook(self, state.optimizer)
+            return None
         handle = RemovableHandle(self._post_step_hooks)
         self._post_step_hooks[handle.id] = hook
         return handle

@@ -201,10 +201,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _finish_step(self) -> None:
         self._step_stats, self._unscaled = None, False
         self.steps += 1
-        if not self.overflow:
-            model = state.model
-            if model is not None and hasattr(model, "_run_post_step_hooks"):
-                model._run_post_step_hooks(self)
         if self._log_interval and self.steps % self._log_interval == 0 and state.rank == 0:
             log_health(self)
 
@@ -291,20 +287,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, factor)
 
     # ---- checkpoints -------------------------------------------------------------------
-    def local_state_dict(self) -> dict:
-        """This rank's optimizer state: inner state, scaler state and the fp32 masters."""
-        out = {
-            "optimizer_state_dict": self.optimizer.state_dict(),
-            "loss_scaler": self.scaler.state_dict(),
-            "dynamic_loss_scale": self.scaler.dynamic,
-            "overflow": self.overflow,
-            "skipped_steps": self.skipped_steps,
-            "steps": self.steps,
-            "_smp_is_partial": True,
-        }
-        if self._masters is not None:
-            out["fp32_from_fp16_params"] = self._masters.master_tensors()
-        return out
+    def local_state_dict(self, cast_to_cpu: bool = True, gather_if_shard: bool = True,
+                         fp32_states_only: bool = False) -> dict:
+        """This rank's optimizer state: inner state, scaler state and the fp32 masters.
+
+        Args:
+            cast_to_cpu: return CPU copies of the tensors (smp's default), else as they are.
+            gather_if_shard: smp's flag for sharded optimizer state; the optimizer state of
+                this runtime is never sharded (shard_optimizer_state only moves the overflow
+                and norm reductions), so this rank's state is already whole either way.
+            fp32_states_only: only the inner optimizer's state (no loss scaler, no masters).
+        """
+        del gather_if_shard  # nothing is sharded: see the docstring
+        out = {"optimizer_state_dict": self.optimizer.state_dict(), "_smp_is_partial": True}
+        if not fp32_states_only:
+            out.update({"loss_scaler": self.scaler.state_dict(),
+                        "dynamic_loss_scale": self.scaler.dynamic, "overflow": self.overflow,
+                        "skipped_steps": self.skipped_steps, "steps": self.steps})
+            if self._masters is not None:
+                out["fp32_from_fp16_params"] = self._masters.master_tensors()
+        return _to_cpu(out) if cast_to_cpu else out
 
     def state_dict(self) -> dict:
         """The full optimizer state: this rank's, or every mp rank's when mp_size > 1."""
@@ -315,8 +317,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from . import comm
         return {"_smp_is_partial": False, "mp_rank_states": comm.allgather(local, comm.CommGroup.MP_GROUP)}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict, gather_if_shard: bool = False) -> None:
         """Restore what state_dict()/local_state_dict() produced (or a plain torch state dict).
+
+        `gather_if_shard` is smp's flag for old sharded checkpoints; nothing is sharded here.
 
         Raises:
             CheckpointError: the masters saved do not match this optimizer's parameters.
@@ -387,6 +391,17 @@ def _remap_state(optimizer, masters: MasterParams) -> None:
             optimizer.state[master] = {
                 k: (v.float() if torch.is_tensor(v) and v.is_floating_point() and v.dim() else v)
                 for k, v in optimizer.state.pop(p).items()}
+
+
+def _to_cpu(obj):
+    """obj with every tensor (nested in dicts, lists, tuples) replaced by a CPU copy."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def _power_sum(x: torch.Tensor, norm_type: float) -> torch.Tensor:

@@ -8,6 +8,8 @@ Fields (docs/internals.md "Runtime state"):
 - model / optimizer: the one DistributedModel / DistributedOptimizer.
 - creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
   PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used.
+- module_manager: the part of smp's module manager scripts read, `translate_functions`
+  (Hugging Face's save_pretrained applies each (smp_to_hf, hf_to_smp) pair's first function).
 - in_step, microbatch (index inside the running step, else None; per thread, because with
   pp > 1 the pipeline runs each microbatch's step body in a thread of its own),
   num_microbatches, step_count (completed steps).
@@ -21,7 +23,24 @@ from typing import Any
 
 from .errors import SMPNotInitializedError
 
-__all__ = ["state", "RuntimeState"]
+__all__ = ["state", "RuntimeState", "ModuleManager"]
+
+
+class ModuleManager:
+    """`smp.state.module_manager`: the state-dict translations registered for the model.
+
+    `translate_functions` holds (smp_to_hf, hf_to_smp) pairs. smp registers them when it
+    replaces Hugging Face modules by its own (other parameter names); this runtime's
+    `DistributedModel.state_dict()` already has the plain module's keys, so none is needed
+    and the list starts empty.
+    """
+
+    def __init__(self):
+        self.translate_functions: list[tuple] = []
+
+    def register_translate_function(self, functions: tuple) -> None:
+        """Add an (smp_to_hf, hf_to_smp) pair."""
+        self.translate_functions.append(functions)
 
 
 class RuntimeState:
@@ -43,6 +62,7 @@ class RuntimeState:
         self.local_size = 1
         self.model: Any = None
         self.optimizer: Any = None
+        self.module_manager = ModuleManager()
         self.pending_resume: Any = None  # resume_from_checkpoint called before the model existed
         self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self.creation_dtype: Any = None

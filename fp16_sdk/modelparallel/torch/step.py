@@ -56,6 +56,23 @@ class StepOutput:
         """Stack into a new leading (microbatch) dimension."""
         return torch.stack(self.outputs, dim=dim)
 
+    def process_outputs(self, func: Callable) -> Any:
+        """`func(outputs)`: any reduction of the per-microbatch list."""
+        return func(self.outputs)
+
+    def map(self, func: Callable) -> "StepOutput":
+        """Apply `func` to every microbatch's value in place; returns self."""
+        self.outputs = [func(o) for o in self.outputs]
+        return self
+
+    def add_output(self, output) -> None:
+        """Append one more microbatch's value."""
+        self.outputs.append(output)
+
+    def clear(self) -> None:
+        """Drop the held values (frees their memory)."""
+        self.outputs = []
+
     def __len__(self) -> int:
         return len(self.outputs)
 
@@ -223,6 +240,7 @@ class _StepFunction:
                 model._post_step()
                 if model._pipeline_enabled:  # bodies that disagreed across stages: now that
                     model._pipeline.raise_disagreement()  # the step's collectives are done
+                model._run_post_step_hooks()  # register_post_step_hook: once, after a step
         finally:
             state.in_step = False
             state.microbatch = None

@@ -8,7 +8,10 @@ last stage and hands them to the body, B runs the stage's backward. So bodies ru
 microbatch as scripts expect, while stages overlap in time as the schedule says.
 
 Stage execution (stage_forward.py): every stage calls the whole model's forward, its blocks
-patched so that only this stage's part computes.
+patched so that only this stage's part computes. Only pipeline rank 0's inputs are used (as in
+smp): with each activation, stage s sends s+1 the arguments of the `model(...)` call it ran, so
+every stage runs the forward with stage 0's arguments (labels, masks...) whatever its own step
+body passed; a script may give stages > 0 other batches or placeholders of the same shapes.
 
 Forward-only steps (the rule is in step.py's `step` docstring): declared ones (gradients off
 when the step is called) run `forward_only_schedule`; otherwise every stage runs the training
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -73,6 +77,18 @@ class PipelineSettings:
                    memory_weight=cfg.memory_weight, auto_partition=cfg.auto_partition,
                    default_partition=cfg.default_partition, rank=state.rank,
                    recorded=lambda m: (state.creation.get(m) or {}).get("partition"))
+
+
+def _input_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a step's arguments, nested in lists, tuples and mappings (the model and
+    other objects passed to the step are not looked into)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _input_tensors(v)]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _input_tensors(v)]
+    return []
 
 
 class _Slot:
@@ -203,13 +219,15 @@ class PipelineEngine:
                             f"must call it once")
         training = not self._forward_only
         received = None
+        args, kwargs = slot.request
         if self.stage > 0:
-            received = self.channel.recv(self.settings.pp_ranks[self.stage - 1])
+            prev = self.settings.pp_ranks[self.stage - 1]
+            received = self.channel.recv(prev)
             if training:
                 _, leaves = flatten(received)
                 slot.received_leaves = [t.requires_grad_(True) for t in leaves
                                         if t.is_floating_point()]
-        args, kwargs = slot.request
+            args, kwargs = self.channel.recv(prev)  # pipeline rank 0's model(...) inputs
         with torch.set_grad_enabled(slot.grad_enabled and training):
             is_output, out = self._stage_forward.run(self.model._forward_module, args, kwargs,
                                                      received)
@@ -217,6 +235,7 @@ class PipelineEngine:
             if training:
                 slot.stage_output = out
             self.channel.send(out, self.settings.pp_ranks[self.stage + 1])
+            self.channel.send((args, kwargs), self.settings.pp_ranks[self.stage + 1])
             return
         for dst in self.settings.pp_ranks[:-1]:
             self.channel.send(out, dst)
@@ -399,7 +418,7 @@ class PipelineEngine:
     def _check_inputs_agree(self, microbatch_args: list, forward_only: bool) -> None:
         """Same input shapes and the same kind of step (both choose the messages) on every
         stage, checked with one collective before any p2p when either changes."""
-        _, leaves = flatten(microbatch_args[0])
+        leaves = _input_tensors(microbatch_args[0])
         mine = [(tuple(t.shape), str(t.dtype)) for t in leaves] + [("forward_only", forward_only)]
         if mine == self._checked_signature:
             return

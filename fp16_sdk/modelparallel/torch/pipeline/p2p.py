@@ -1,15 +1,20 @@
-"""Point-to-point transfer of nested tensor structures between pipeline stages.
+"""Point-to-point transfer of any picklable Python value holding tensors between pipeline stages.
 
 A message is: a fixed-size int64 header (skeleton byte length, tensor count, then dtype code,
-rank and sizes of each tensor), the pickled skeleton (the object with every tensor replaced by
-a slot number: tuples, dicts, model-output classes, None and Python scalars survive), then
-each tensor. Sends are `isend`s whose work (and tensors) are held until `flush()`, so a send
-never blocks the executor; receives wait. Every message between one ordered pair of ranks is
-posted in schedule order, which is what NCCL (no tags) and Gloo both match.
+rank and sizes of each tensor), the skeleton, then each tensor. The skeleton is the value
+pickled with every tensor replaced by a persistent id (its slot number, pickle's own hook for
+out-of-band objects), so whatever the model returns crosses stages as it is: tensors, None,
+Python scalars and strings, tuples, dicts, Hugging Face `ModelOutput`s (ordered-dict
+dataclasses), named tuples, dataclasses and user objects, nested in any way. A tensor that
+appears twice is sent once and arrives as one object. Sends are `isend`s whose work (and
+tensors) are held until `flush()`, so a send never blocks the executor; receives wait. Every
+message between one ordered pair of ranks is posted in schedule order, which is what NCCL (no
+tags) and Gloo both match.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any
 
@@ -26,56 +31,59 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 
 
 class PipelineCommError(SMPError, RuntimeError):
-    """A pipeline message that cannot be encoded (too many tensors or dimensions)."""
+    """A pipeline message that cannot be encoded (too many tensors or dimensions, or a value
+    pickle cannot serialise)."""
 
 
-class _Slot:
-    __slots__ = ("index",)
+class _TensorPickler(pickle.Pickler):
+    """Pickles a value with its tensors left out, collected in `tensors` (first-seen order)."""
 
-    def __init__(self, index: int):
-        self.index = index
+    def __init__(self, file, tensors: list):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self._slots: dict[int, int] = {}
 
-    def __reduce__(self):
-        return (_Slot, (self.index,))
-
-
-def _rebuild(x: Any, walk) -> Any:
-    """x with walk applied to its elements (containers keep their type and attributes)."""
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*[walk(v) for v in x])
-    if isinstance(x, (list, tuple)):
-        return type(x)(walk(v) for v in x)
-    if isinstance(x, dict):  # dicts and dict-like model outputs (fields mirrored as attributes)
-        out = x.__class__.__new__(x.__class__)
-        dict.__init__(out, {k: walk(v) for k, v in x.items()})
-        if hasattr(x, "__dict__"):
-            out.__dict__.update({k: walk(v) for k, v in x.__dict__.items()})
-        return out
-    return x
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            slot = self._slots.get(id(obj))
+            if slot is None:
+                slot = self._slots[id(obj)] = len(self.tensors)
+                self.tensors.append(obj)
+            return slot
+        return None
 
 
-def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """(skeleton, tensors): obj with its tensors replaced by slots, and those tensors (once each)."""
+class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file, tensors: list):
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, slot):
+        return self.tensors[slot]
+
+
+def flatten(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """(skeleton, tensors): obj pickled without its tensors, and those tensors (once each, in
+    the order pickle meets them, which is the same for a value and its `unflatten` copy).
+
+    Raises:
+        PipelineCommError: obj (or something inside it) cannot be pickled.
+    """
     tensors: list[torch.Tensor] = []
-    slots: dict[int, _Slot] = {}
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            if id(x) not in slots:
-                slots[id(x)] = _Slot(len(tensors))
-                tensors.append(x)
-            return slots[id(x)]
-        return _rebuild(x, walk)
-
-    return walk(obj), tensors
+    buf = io.BytesIO()
+    try:
+        _TensorPickler(buf, tensors).dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise PipelineCommError(f"a value crossing a pipeline stage boundary cannot be pickled "
+                                f"({type(obj).__name__}: {exc}); the model's outputs (and its "
+                                f"blocks' outputs) must be tensors or picklable objects "
+                                f"holding them") from exc
+    return buf.getvalue(), tensors
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of `flatten`."""
-    def walk(x):
-        return tensors[x.index] if isinstance(x, _Slot) else _rebuild(x, walk)
-
-    return walk(skeleton)
+def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of `flatten`: the value, with `tensors` in their slots."""
+    return _TensorUnpickler(io.BytesIO(skeleton), tensors).load()
 
 
 class TensorChannel:
@@ -101,8 +109,7 @@ class TensorChannel:
 
     def send(self, obj: Any, dst: int) -> None:
         """Post the sends of `obj` (tensors are sent detached, as they are) to global rank dst."""
-        skeleton, tensors = flatten(obj)
-        blob = pickle.dumps(skeleton)
+        blob, tensors = flatten(obj)
         header = [len(blob), len(tensors)]
         for t in tensors:
             if t.dtype not in _DTYPES:
@@ -125,7 +132,7 @@ class TensorChannel:
                           src).tolist()
         blob_len, count = head[0], head[1]
         blob = self._recv(torch.empty(blob_len, dtype=torch.uint8, device=self.device), src)
-        skeleton = pickle.loads(blob.cpu().numpy().tobytes())
+        skeleton = blob.cpu().numpy().tobytes()
         tensors, i = [], 2
         for _ in range(count):
             dtype, ndim = _DTYPES[head[i]], head[i + 1]
