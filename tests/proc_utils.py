@@ -99,11 +99,19 @@ def _same(proc: Proc) -> bool:
 def wait_gone(procs: list[Proc], timeout_s: float) -> list[Proc]:
     """Wait up to `timeout_s` for the processes to end; return those still running."""
     end = time.monotonic() + timeout_s
-    left = [p for p in procs if _same(p)]
+    left = _still_running(procs)
     while left and time.monotonic() < end:
         time.sleep(0.1)
-        left = [p for p in left if _same(p)]
+        left = _still_running(left)
     return left
+
+
+def _still_running(procs: list[Proc]) -> list[Proc]:
+    """Those still running, as read now: a process scanned between fork and exec shows an
+    empty or stale command line, which the latest read replaces."""
+    now = [(p, _read(p.pid)) for p in procs]
+    return [cur for p, cur in now
+            if cur is not None and cur.start == p.start and cur.state not in ("Z", "X")]
 
 
 def kill_all(procs: list[Proc]) -> None:
