@@ -11,6 +11,11 @@ The arms, one process, same model init, same data, same steps (spec performance.
              (DistributedTransformerLMHead; its own init, loss over S-1 positions)
 Every arm clips the gradient norm to 1.0 (the seed script's clip_master_grads) unless --no-clip.
 With --compile every arm's model is wrapped in torch.compile (the loss stays eager in all).
+Loss: fp32 cross entropy of the logits in every arm. The plain arms compute
+F.cross_entropy(logits.float()) in the step; the smp arms compute it inside the module with
+smp's fused half-input kernel (fp16/fused_loss.py: the same fp32 arithmetic, widened per
+element, no fp32 copy of the logits), as smp.nn's LM head does; --smp-loss fp32 gives the smp
+arm the plain arms' loss instead. --sdpa cudnn makes every arm prefer cuDNN's attention.
 
 Reported per arm: tokens/s, MFU (FLOPs/token = 6N + 12 L h s, N = parameters without the
 token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimizer-step time
@@ -333,10 +338,10 @@ def _ratios(by: dict) -> dict:
     return out
 
 
-def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None) -> dict:
+def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None, command=None) -> dict:
     """All arms of one preset; on_arm(partial result) after each (so a timeout keeps them)."""
     batches = make_batches(cfg, 4, DEVICE)
-    res = {"preset": name, "compiled": COMPILE, "sdpa": SDPA, "config": cfg, "steps": steps, "warmup": warmup,
+    res = {"preset": name, "command": command, "compiled": COMPILE, "sdpa": SDPA, "config": cfg, "steps": steps, "warmup": warmup,
            "clip": clip, "arms": [], "ratios": {}}
     for arm in arms:
         if DEVICE.type == "cuda":
@@ -404,14 +409,44 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # "fp32 eager" means real fp32 matmuls
     results = []
     meta = _meta()
+    command = _command(argv)
     for name in args.preset or ["350m"]:
         res = run_preset(name, PRESETS[name], args.steps, args.warmup, not args.no_clip, arms,
-                         on_arm=lambda partial: _write(args.out, meta, results + [partial]))
+                         on_arm=lambda partial: _write(args.out, meta, results + [partial]),
+                         command=_one_preset(command, name))
         print_table(res)
         results.append(res)
     _write(args.out, meta, results)
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _command(argv) -> str:
+    """This run's command line without --out (for the generated docs)."""
+    import shlex
+    import sys
+    args = list(sys.argv[1:] if argv is None else argv)
+    keep, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            keep.append(a)
+    return " ".join(["python3 benchmarks/fp16_gpu.py", *map(shlex.quote, keep)])
+
+
+def _one_preset(command: str, name: str) -> str:
+    """The command line that runs only preset `name` (several --preset flags in one run)."""
+    words, out, i = command.split(), [], 0
+    while i < len(words):
+        if words[i] == "--preset":
+            i += 2
+            continue
+        out.append(words[i])
+        i += 1
+    return " ".join(out[:2] + ["--preset", name] + out[2:])
 
 
 def _write(path, meta, results) -> None:

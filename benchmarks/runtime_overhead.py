@@ -17,7 +17,7 @@ on the machine hits both alike; the figure is the median per-step time of each a
 ratio (target: smp / plain <= 1.05). Every arm clips the gradient norm to 1.0, and the final
 losses of each pair are printed (they must agree).
 
-    python benchmarks/runtime_overhead.py                       # the default small GPT
+    python benchmarks/runtime_overhead.py        # the small GPT (3.2M params), then the tiny one
     python benchmarks/runtime_overhead.py --preset tiny --rounds 3 --block 5   # smoke
 """
 
@@ -186,7 +186,8 @@ def run_phase(name, cfg, plain_step, smp_step, rounds, block, warmup) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="small,tiny",
+                    help=f"comma-separated, from {','.join(sorted(PRESETS))}")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--block", type=int, default=10, help="steps per timed block")
     ap.add_argument("--warmup", type=int, default=5)
@@ -197,26 +198,33 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = PRESETS[args.preset]
     results = []
-    for phase in args.phases.split(","):
-        if phase == "fp32":
-            res = run_phase("fp16 off", cfg, plain_fp32(cfg), smp_arm(cfg, False),
-                            args.rounds, args.block, args.warmup)
-        elif phase == "fp16":
-            res = run_phase("fp16 on", cfg, plain_fp16(cfg), smp_arm(cfg, True),
-                            args.rounds, args.block, args.warmup)
-        else:
-            ap.error(f"--phases: unknown phase {phase!r}; use fp32 and/or fp16")
-        results.append(res)
-        print(f"{res['phase']:9}  plain {res['plain_step_ms']:8.3f} ms  smp {res['smp_step_ms']:8.3f} ms"
-              f"  smp/plain {res['smp_over_plain']:.4f}  (overhead {res['overhead_ms']:+.3f} ms; "
-              f"final loss plain {res['plain_final_loss']:.4f} smp {res['smp_final_loss']:.4f})",
-              flush=True)
-    meta = {"machine": platform.node() and "cpu", "cpus": os.cpu_count(),
+    for preset in args.preset.split(","):
+        if preset not in PRESETS:
+            ap.error(f"--preset: unknown preset {preset!r}; choose from {','.join(sorted(PRESETS))}")
+        cfg = PRESETS[preset]
+        for phase in args.phases.split(","):
+            if phase == "fp32":
+                res = run_phase("fp16 off", cfg, plain_fp32(cfg), smp_arm(cfg, False),
+                                args.rounds, args.block, args.warmup)
+            elif phase == "fp16":
+                res = run_phase("fp16 on", cfg, plain_fp16(cfg), smp_arm(cfg, True),
+                                args.rounds, args.block, args.warmup)
+            else:
+                ap.error(f"--phases: unknown phase {phase!r}; use fp32 and/or fp16")
+            res["preset"] = preset
+            results.append(res)
+            print(f"{preset:6} {res['phase']:9}  plain {res['plain_step_ms']:8.3f} ms  smp "
+                  f"{res['smp_step_ms']:8.3f} ms  smp/plain {res['smp_over_plain']:.4f}  (overhead "
+                  f"{res['overhead_ms']:+.3f} ms; final loss plain {res['plain_final_loss']:.4f} "
+                  f"smp {res['smp_final_loss']:.4f})", flush=True)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in words:  # the docs quote the command without where it wrote
+        del words[words.index("--out"):words.index("--out") + 2]
+    meta = {"command": " ".join(["python3 benchmarks/runtime_overhead.py", *words]),
+            "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "processor": platform.processor(),
-            "preset": args.preset}
+            "python": platform.python_version(), "processor": platform.processor()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
