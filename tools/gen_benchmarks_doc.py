@@ -46,7 +46,11 @@ def fp16_section() -> list[str]:
                  f"{c.get('heads', '?')} heads, seq {c['seq']}, batch {c['batch']}, vocab "
                  f"{c.get('vocab', '?')}" + (" (torch.compile)" if r.get("compiled") else "")
                  + (", SDPA prefers cuDNN" if r.get("sdpa") == "cudnn" else ""))
-        lines += [title, "", *([f"Command: `{r['command']}`.", ""] if r.get("command") else []),
+        command = r.get("command") or (
+            "bash benchmarks/gpu_tests.sh (the earlier version of the script: smp arm with "
+            "F.cross_entropy on the fp32 logits, before the fused loss)")
+        lines += [title, "", f"Command: `{command}`." if r.get("command") else
+                  f"Command: {command}.", "",
                   f"{r['params_total'] / 1e6:.0f}M parameters "
                   f"({r['params_non_embedding'] / 1e6:.0f}M without embeddings), "
                   f"{r['steps']} timed steps after {r['warmup']} warm-up.", "",
