@@ -11,6 +11,11 @@ The arms, one process, same model init, same data, same steps (spec performance.
              (DistributedTransformerLMHead; its own init, loss over S-1 positions)
 Every arm clips the gradient norm to 1.0 (the seed script's clip_master_grads) unless --no-clip.
 With --compile every arm's model is wrapped in torch.compile (the loss stays eager in all).
+Loss: fp32 cross entropy of the logits in every arm. The plain arms compute
+F.cross_entropy(logits.float()) in the step; the smp arms compute it inside the module with
+smp's fused half-input kernel (fp16/fused_loss.py: the same fp32 arithmetic, widened per
+element, no fp32 copy of the logits), as smp.nn's LM head does; --smp-loss fp32 gives the smp
+arm the plain arms' loss instead. --sdpa cudnn makes every arm prefer cuDNN's attention.
 
 Reported per arm: tokens/s, MFU (FLOPs/token = 6N + 12 L h s, N = parameters without the
 token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimizer-step time
@@ -24,6 +29,7 @@ token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimize
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -45,6 +51,8 @@ HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 machine
 LR, MAX_NORM = 3e-4, 1.0
 DEVICE = torch.device("cuda")
 COMPILE = False  # --compile: torch.compile every arm's model
+SDPA = "default"  # --sdpa: attention backend order for every arm
+SMP_LOSS = "fused"  # --smp-loss: the smp arm's loss (fused half-input CE, or fp32 F.cross_entropy)
 ARMS = ("fp32", "autocast", "smp", "smp_exact", "smp_nn")
 
 
@@ -82,12 +90,14 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
-    def forward(self, idx):
+    def forward(self, idx, targets=None):
+        """Logits (b, s, vocab); with targets, the loss by `self.loss_fn` (set by an arm)."""
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)  # (b, s, vocab)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # (b, s, vocab)
+        return logits if targets is None else self.loss_fn(logits, targets)
 
 
 def make_batches(cfg: dict, count: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -130,8 +140,24 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def _sdpa_context():
+    """--sdpa cudnn: SDPA prefers cuDNN's fused attention (then flash, efficient, math), for
+    every arm alike; default: torch's own order."""
+    if SDPA == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
 def _timed_loop(run_step, batches, steps, warmup):
     """run_step(x, y, ev_bwd) -> loss tensor; returns total wall s, opt-step ms, losses."""
+    with _sdpa_context():
+        return _timed_loop_body(run_step, batches, steps, warmup)
+
+
+def _timed_loop_body(run_step, batches, steps, warmup):
     losses = []
     for i in range(warmup):
         run_step(*batches[i % len(batches)], None)
@@ -217,11 +243,16 @@ def _snn_gpt(cfg):
 
 def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn: bool = False):
     smp = _init_smp()
+    from fp16_sdk.modelparallel.torch.fp16.fused_loss import cross_entropy
     torch.manual_seed(0)
     # Same init as the other arms: fp32 weights drawn from seed 0, then cast by FP16Module.
     with DEVICE:
         module, sizes = _snn_gpt(cfg) if snn else (GPT(**cfg), None)
     sizes = sizes or count_params(module)
+    # smp's loss, as smp.nn's LM head computes it: fp32 cross entropy of the half logits
+    # (fused: widened per element as read, no fp32 copy; --smp-loss fp32: F.cross_entropy on
+    # the fp32 logits FP16Module returns, in the step body).
+    module.loss_fn = cross_entropy
     model = smp.DistributedModel(_maybe_compile(module))
     saved_env = os.environ.get("SMP_FUSED_OPTIMIZER")
     os.environ["SMP_FUSED_OPTIMIZER"] = "1" if fused else "0"  # read when the optimizer is built
@@ -240,7 +271,9 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
     @smp.step
     def train_step(model, x, y):
         if snn:  # labels = inputs: the module shifts them (loss over S-1 positions)
-            loss, _ = model((x, None, None, None, x))
+            loss = model((x, None, None, None, x))[0]  # the fp32 logits are dropped at once
+        elif SMP_LOSS == "fused":
+            loss = model(x, y)
         else:
             loss = lm_loss(model(x), y)
         model.backward(loss)
@@ -258,7 +291,8 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
 
     result = _timed_loop(run_step, batches, steps, warmup)
     extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
-             "fused_optimizer_step": opt._fused is not None}
+             "fused_optimizer_step": opt._fused is not None,
+             "loss": "smp.nn lm_loss" if snn else SMP_LOSS}
     return result, sizes, extra, (model, opt)
 
 
@@ -304,10 +338,10 @@ def _ratios(by: dict) -> dict:
     return out
 
 
-def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None) -> dict:
+def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None, command=None) -> dict:
     """All arms of one preset; on_arm(partial result) after each (so a timeout keeps them)."""
     batches = make_batches(cfg, 4, DEVICE)
-    res = {"preset": name, "compiled": COMPILE, "config": cfg, "steps": steps, "warmup": warmup,
+    res = {"preset": name, "command": command, "compiled": COMPILE, "sdpa": SDPA, "config": cfg, "steps": steps, "warmup": warmup,
            "clip": clip, "arms": [], "ratios": {}}
     for arm in arms:
         if DEVICE.type == "cuda":
@@ -353,6 +387,11 @@ def main(argv=None) -> int:
                     help=f"comma-separated, from {','.join(ARMS)}")
     ap.add_argument("--compile", action="store_true", help="torch.compile every arm's model")
     ap.add_argument("--no-clip", action="store_true")
+    ap.add_argument("--sdpa", choices=("default", "cudnn"), default="default",
+                    help="attention backend order for every arm (cudnn: prefer cuDNN's)")
+    ap.add_argument("--smp-loss", choices=("fused", "fp32"), default="fused",
+                    help="smp arm: fused half-input cross entropy (default) or F.cross_entropy "
+                         "on the fp32 logits")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "fp16_gpu.json"))
     ap.add_argument("--cpu", action="store_true", help="smoke-test the code path on CPU")
@@ -361,23 +400,53 @@ def main(argv=None) -> int:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         ap.error(f"--arms: unknown arm(s) {unknown}; choose from {','.join(ARMS)}")
-    global DEVICE, COMPILE
+    global DEVICE, COMPILE, SMP_LOSS, SDPA
     DEVICE = torch.device("cpu" if args.cpu else "cuda")
-    COMPILE = args.compile
+    COMPILE, SMP_LOSS, SDPA = args.compile, args.smp_loss, args.sdpa
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("fp16_gpu.py needs a CUDA GPU (run it on the accelerator machine), "
                          "or --cpu for a smoke test")
     torch.backends.cuda.matmul.allow_tf32 = False  # "fp32 eager" means real fp32 matmuls
     results = []
     meta = _meta()
+    command = _command(argv)
     for name in args.preset or ["350m"]:
         res = run_preset(name, PRESETS[name], args.steps, args.warmup, not args.no_clip, arms,
-                         on_arm=lambda partial: _write(args.out, meta, results + [partial]))
+                         on_arm=lambda partial: _write(args.out, meta, results + [partial]),
+                         command=_one_preset(command, name))
         print_table(res)
         results.append(res)
     _write(args.out, meta, results)
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _command(argv) -> str:
+    """This run's command line without --out (for the generated docs)."""
+    import shlex
+    import sys
+    args = list(sys.argv[1:] if argv is None else argv)
+    keep, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            keep.append(a)
+    return " ".join(["python3 benchmarks/fp16_gpu.py", *map(shlex.quote, keep)])
+
+
+def _one_preset(command: str, name: str) -> str:
+    """The command line that runs only preset `name` (several --preset flags in one run)."""
+    words, out, i = command.split(), [], 0
+    while i < len(words):
+        if words[i] == "--preset":
+            i += 2
+            continue
+        out.append(words[i])
+        i += 1
+    return " ".join(out[:2] + ["--preset", name] + out[2:])
 
 
 def _write(path, meta, results) -> None:

@@ -38,14 +38,20 @@ def fp16_section() -> list[str]:
              "52.5k tokens/s = 48% at 1.3B, use it); **MFU excl. emb.** leaves out both "
              f"embedding tables ({m.get('flops_per_token')}). Optimizer step: "
              f"{m.get('opt_step')}; floor = 28 B/param / 4.3 TB/s.",
-             "", "Command: `bash benchmarks/gpu_tests.sh` on the accelerator machine "
-             "(`python3 benchmarks/fp16_gpu.py --preset 1.3b`).", ""]
+             "", "All runs below: `bash benchmarks/gpu_tests.sh` on the accelerator machine, "
+             "one process per run; each table names its own command.", ""]
     for r in d["results"]:
         c = r["config"]
         title = (f"### {r['preset']}: {c['layers']} layers, hidden {c['hidden']}, "
                  f"{c.get('heads', '?')} heads, seq {c['seq']}, batch {c['batch']}, vocab "
-                 f"{c.get('vocab', '?')}" + (" (torch.compile)" if r.get("compiled") else ""))
-        lines += [title, "", f"{r['params_total'] / 1e6:.0f}M parameters "
+                 f"{c.get('vocab', '?')}" + (" (torch.compile)" if r.get("compiled") else "")
+                 + (", SDPA prefers cuDNN" if r.get("sdpa") == "cudnn" else ""))
+        command = r.get("command") or (
+            "bash benchmarks/gpu_tests.sh (the earlier version of the script: smp arm with "
+            "F.cross_entropy on the fp32 logits, before the fused loss)")
+        lines += [title, "", f"Command: `{command}`." if r.get("command") else
+                  f"Command: {command}.", "",
+                  f"{r['params_total'] / 1e6:.0f}M parameters "
                   f"({r['params_non_embedding'] / 1e6:.0f}M without embeddings), "
                   f"{r['steps']} timed steps after {r['warmup']} warm-up.", "",
                   "| arm | tokens/s | MFU | MFU excl. emb. | peak GiB | opt step ms (floor) | "
@@ -63,6 +69,76 @@ def fp16_section() -> list[str]:
         if ratios:
             lines.append("")
             lines += [f"- {key.replace('_', ' ')}: {_fmt(v, '.4f')}" for key, v in ratios.items()]
+        lines.append("")
+    return lines
+
+
+def overhead_section() -> list[str]:
+    d = _load("runtime_overhead")
+    if not d:
+        return ["No runtime-overhead results yet."]
+    m = d["meta"]
+    lines = [f"Machine: {m.get('cpus')} CPU cores ({m.get('torch_threads')} torch threads), torch "
+             f"{m.get('torch')}, Python {m.get('python')}; world 1 (Gloo), pp = tp = 1. "
+             "plain = the same model and loss in plain PyTorch (fp16 on: the hand-written "
+             "equivalent: half model, fp32 masters, scaled backward, GradScaler's non-finite "
+             "check, clip, AdamW, copy back); the two arms alternate in blocks of steps and the "
+             "figure is each arm's median step time.", "",
+             f"Command: `{m.get('command')}`.", "",
+             "| model | fp16 | plain ms/step | smp ms/step | smp / plain | overhead ms | "
+             "final loss plain / smp |", "|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        c = r["config"]
+        model = (f"{r.get('preset', '?')} ({c['layers']}x{c['hidden']}, seq {c['seq']}, "
+                 f"batch {c['batch']}, vocab {c['vocab']})")
+        lines.append(f"| {model} | {'on' if r['phase'] == 'fp16 on' else 'off'} | "
+                     f"{r['plain_step_ms']:.3f} | {r['smp_step_ms']:.3f} | "
+                     f"{r['smp_over_plain']:.3f} | {r['overhead_ms']:+.3f} | "
+                     f"{r['plain_final_loss']:.4f} / {r['smp_final_loss']:.4f} |")
+    return lines
+
+
+def profile_section() -> list[str]:
+    d = _load("fp16_profile")
+    if not d:
+        return ["No kernel-level results yet."]
+    c = d["config"]
+    lines = [f"{d.get('gpu')}, torch {d.get('torch')}; shapes of the {d['preset']} preset "
+             f"(batch {c['batch']}, seq {c['seq']}, {c['heads']} heads of "
+             f"{c['hidden'] // c['heads']}, vocab {c['vocab']}). Command: "
+             f"`python3 benchmarks/fp16_profile.py --preset {d['preset']} --parts "
+             f"{','.join(k for k in ('attention', 'ce', 'adam', 'profile') if k in d)}`.", ""]
+    if "attention" in d:
+        lines += ["Causal attention, fp16, forward + backward of one layer by SDPA backend:", "",
+                  "| backend | fwd ms | fwd+bwd ms | per step (all layers) ms | rel. diff to flash |",
+                  "|---|---|---|---|---|"]
+        for name, r in d["attention"].items():
+            if "error" in r:
+                lines.append(f"| {name} | not available: {r['error']} | | | |")
+            else:
+                lines.append(f"| {name} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+                             f"{r['per_step_ms']:.1f} | {r['rel_err_vs_flash']:.1e} |")
+        lines.append("")
+    if "ce" in d:
+        r = d["ce"]
+        lines += [f"Cross entropy of half logits [{c['batch'] * c['seq']}, {c['vocab']}], forward "
+                  "+ backward with a loss scale of 65536:", "",
+                  "| loss | fwd+bwd ms | extra peak GiB |", "|---|---|---|",
+                  f"| F.cross_entropy(logits.float()) | {r['fp32']['fwd_bwd_ms']:.2f} | "
+                  f"{r['fp32']['extra_peak_gib']:.2f} |",
+                  f"| fused (fp16/fused_loss.py) | {r['fused']['fwd_bwd_ms']:.2f} | "
+                  f"{r['fused']['extra_peak_gib']:.2f} |", "",
+                  f"Loss difference {r['loss_diff']:.1e}, gradient relative difference "
+                  f"{r['grad_rel_err']:.1e}; an inf logit gives loss {r['inf_logit_loss']}.", ""]
+    if "adam" in d:
+        r = d["adam"]
+        lines += [f"Fused Adam kernel on one flat bucket of {r['numel'] / 1e6:.0f}M parameters; "
+                  f"device-to-device copy {r['copy_tb_s']:.2f} TB/s, so the 28 B/param floor is "
+                  f"{r['floor_ms_at_copy_bw']:.2f} ms; the fp16 gradient norm (read before the "
+                  f"step) takes {r['norm_ms']:.2f} ms.", "",
+                  "| BLOCK | num_warps | ms | x floor |", "|---|---|---|---|"]
+        for v in r["variants"]:
+            lines.append(f"| {v['block']} | {v['warps']} | {v['ms']:.3f} | {v['x_floor']:.3f} |")
         lines.append("")
     return lines
 
@@ -115,6 +191,9 @@ def render() -> str:
              " every figure was measured by the benchmark named with it. Benchmarks are not "
              "tests: they print a table and write JSON.", "",
              "## FP16 training on one H200 (`benchmarks/fp16_gpu.py`)", "", *fp16_section(), "",
+             "## Kernel-level figures (`benchmarks/fp16_profile.py`)", "", *profile_section(), "",
+             "## smp runtime overhead on the CPU (`benchmarks/runtime_overhead.py`)", "",
+             *overhead_section(), "",
              "## Pipeline schedules (`benchmarks/pipeline_schedule.py`)", "",
              *pipeline_section(), "", "## fit() overhead (`benchmarks/fit_overhead.py`)", "",
              *fit_section(), ""]

@@ -192,6 +192,8 @@ class DistributedModel(nn.Module):
     def _broadcast_state(self, *, params: bool) -> None:
         """Make every data-parallel replica equal to the first one of its group."""
         topo = state.topology
+        if topo.dp == 1 and topo.rdp == 1:
+            return  # one replica: nothing to make equal (and no module walk every step)
         tensors = [t for _, t in (self.local_named_parameters() if params else ())]
         tensors += [t for _, t in self.local_named_buffers()]
         for distributed, kind in ((False, "dp"), (True, "rdp")):

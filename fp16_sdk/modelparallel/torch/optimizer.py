@@ -241,9 +241,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 c, u = bucket.grad_power_sums(norm_type, master=self._fused is None)
                 counted.append(c)
                 uncounted.append(u)
-        for p, counts in self._full_precision_params():
-            if p.grad is not None:
-                (counted if counts else uncounted).append(_power_sum(p.grad, norm_type))
+        grads = [(p.grad, counts) for p, counts in self._full_precision_params()
+                 if p.grad is not None]
+        for counts, out in ((True, counted), (False, uncounted)):
+            out.extend(_power_sums([g for g, c in grads if c is counts], norm_type))
         device = _device_of(self.param_groups)
         if not counted and not uncounted:
             zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -404,9 +405,17 @@ def _to_cpu(obj):
     return obj
 
 
-def _power_sum(x: torch.Tensor, norm_type: float) -> torch.Tensor:
-    norm = torch.linalg.vector_norm(x, norm_type, dtype=torch.float32)
-    return norm if math.isinf(norm_type) else norm.double().pow(norm_type)
+def _power_sums(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """One sum of |g|^p (max for inf) per device over `grads`, each norm taken in fp32 by a
+    multi-tensor kernel (one launch per device, not one per parameter)."""
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    out = []
+    for items in by_device.values():
+        norms = torch.stack(torch._foreach_norm(items, norm_type, dtype=torch.float32))
+        out.append(norms.max() if math.isinf(norm_type) else norms.double().pow(norm_type).sum())
+    return out
 
 
 def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:

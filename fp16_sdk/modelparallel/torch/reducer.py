@@ -32,7 +32,8 @@ accumulate into `.grad` unreduced (like DDP's no_sync), and the sum is not divid
 A group of one rank (dp = 1) has nothing to exchange: its buckets own no flat buffer, and a
 bucket's "launch" only divides the gradients in place (one multi-tensor kernel, and none when
 the divisor is 1), so `.grad` keeps its storage (the fp16 optimizer's flat buffer views) and
-the step costs no extra pass over the gradients and no extra memory.
+the step costs no extra pass over the gradients and no extra memory. When every group has
+one rank no hooks are registered at all: `finish()` does the divisions after backward.
 """
 
 from __future__ import annotations
@@ -94,10 +95,14 @@ class GradReducer:
         self._fired = 0
         for g in groups:
             self._build_buckets(g)
+        # Every group of one rank: nothing to overlap with backward, so no per-parameter hooks
+        # (their Python calls were most of the wrapper's CPU cost per step); finish() divides.
+        self.local_only = all(g.size == 1 for g in groups)
         for bucket in self.buckets:
             for slot, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket, slot)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+                if not self.local_only:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
 
     def _build_buckets(self, group: ReductionGroup) -> None:
         by_kind: dict[tuple, list] = {}

@@ -1,4 +1,4 @@
-"""Triton kernels for the fused fp16 optimizer step (imported only where Triton exists).
+"""Triton kernels: the fused fp16 optimizer step and the fused half-input cross entropy.
 
 One program handles BLOCK consecutive elements of a flat bucket. Per element the Adam kernel
 reads the half gradient (2 B), the fp32 master, exp_avg and exp_avg_sq (12 B), writes those
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["adam_kernel", "sgd_kernel"]
+__all__ = ["adam_kernel", "sgd_kernel", "ce_forward_kernel", "ce_backward_kernel"]
 
 
 @triton.jit
@@ -75,3 +75,52 @@ def sgd_kernel(grad_ptr, master_ptr, buf_ptr, half_ptr, n,
     p = p - lr * g                                 # param.add_(grad, alpha=-lr)
     tl.store(master_ptr + offs, p, mask=mask)
     tl.store(half_ptr + offs, p.to(half_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ce_forward_kernel(logits_ptr, stride, target_ptr, lse_ptr, loss_ptr, V, ignore_index,
+                      BLOCK: tl.constexpr):
+    """Per row of half logits: lse = log sum exp (fp32), loss = lse - x[target] (0 if ignored).
+
+    Two passes over the row (max, then sum of exp), the second mostly from L2.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, x)
+    row_max = tl.max(m, axis=0)
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        s += tl.exp(x - row_max)
+    lse = row_max + tl.log(tl.sum(s, axis=0))
+    target = tl.load(target_ptr + row).to(tl.int64)
+    valid = target != ignore_index
+    x_t = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
+    tl.store(lse_ptr + row, lse)
+    tl.store(loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
+
+
+@triton.jit
+def ce_backward_kernel(logits_ptr, stride, grad_ptr, grad_stride, target_ptr, lse_ptr, coef_ptr,
+                       V, ignore_index, BLOCK: tl.constexpr):
+    """grad = coef * (softmax(x) - onehot(target)) in fp32, stored in the logits' half dtype;
+    coef = d loss / (number of counted rows), read from the device (no host sync)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    out = grad_ptr + row * grad_stride
+    target = tl.load(target_ptr + row).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    coef = tl.load(coef_ptr)
+    coef = tl.where(target != ignore_index, coef, 0.0)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse)
+        p = tl.where(offs == target, p - 1.0, p)
+        tl.store(out + offs, (p * coef).to(grad_ptr.dtype.element_ty), mask=mask)

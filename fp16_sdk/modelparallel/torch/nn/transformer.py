@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import SMPConfigError
+from ..fp16.fused_loss import cross_entropy
 from .attention import MASK_VALUE, DistributedAttentionLayer, check_layernorm_flags
 from .layers import (ColumnParallelLinear, DistributedEmbedding, DistributedModule,
                      RowParallelLinear, check_divisible)
@@ -283,7 +284,11 @@ class DistributedTransformerLMHead(DistributedModule):
         return self.lm_loss(out, labels), out
 
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Next-token mean cross entropy in fp32, ignoring label -100."""
-        logits, labels = logits[:, :-1], labels[:, 1:]
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               ignore_index=-100)
+        """Next-token mean cross entropy in fp32, ignoring label -100.
+
+        Position t is scored against labels[:, t + 1] and the last position is ignored (the
+        mean over S - 1 positions), on the unsliced logits; half logits go through the fused
+        kernel (fp32 arithmetic, no fp32 copy of the logits: fp16/fused_loss.py).
+        """
+        shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        return cross_entropy(logits, shifted, ignore_index=-100)
