@@ -9,6 +9,12 @@ weights sharded from the original so the numerics are unchanged; its subtree is 
 again. A module that shares a parameter with a module outside its subtree, or whose sizes do
 not divide by tp, is left whole with one log line.
 
+Before that walk, supported Hugging Face blocks are split in place (nn/huggingface: enabled by
+a creation context or, when no context recorded anything, by default); after it, a model in
+which nothing was split is an SMPConfigError naming its module types and the fixes, never a
+silent data-parallel run. Fused projections (GPT-2's q|k|v) are split part by part
+(`shard_tensor`), and gathered back into HF's layout.
+
 Record format (`state.creation[module]`, a dict): `"tensor_parallelism": bool` and
 `"tp_config": {key: value}` (the context's keyword arguments, e.g. distribute_embedding).
 """
