@@ -190,7 +190,9 @@ def describe(name: str, obj) -> list[str]:
     if name == "state":
         return [f"- `smp.state`: the runtime state `smp.init()` fills: `.cfg` (the smp "
                 "parameters, e.g. `smp.state.cfg.fp16`), `.topology`, `.groups`, `.device`, "
-                "`.model`, `.optimizer`."]
+                "`.model`, `.optimizer`, `.module_manager` (`.translate_functions`: the "
+                "(smp_to_hf, hf_to_smp) state-dict pairs transformers' `save_pretrained` "
+                "applies)."]
     if isinstance(obj, type) and issubclass(obj, BaseException):
         bases = ", ".join(b.__name__ for b in obj.__bases__)
         return [f"- `smp.{name}({bases})`: {first_line(obj, name)}"]
@@ -225,6 +227,9 @@ def nn_section() -> list[str]:
     lines = ["", "`smp.nn` (sizes are global across the tensor-parallel ranks):", ""]
     for name in smp.nn.__all__:
         obj = getattr(smp.nn, name)
+        if isinstance(obj, types.ModuleType):
+            lines += hf_section(name, obj)
+            continue
         lines.append(f"- `smp.nn.{name}{signature(obj)}`: {first_line(obj, name)}")
     return lines
 
@@ -235,6 +240,21 @@ def submodule_section(sub: str) -> list[str]:
     for name in module.__all__:
         obj = getattr(module, name)
         lines.append(f"- `smp.{sub}.{name}{signature(obj)}`: {first_line(obj, name)}")
+    return lines
+
+
+def hf_section(name: str, package: types.ModuleType) -> list[str]:
+    """smp.nn.huggingface: the package line, then each architecture module's functions."""
+    lines = [f"- `smp.nn.{name}` (module): {first_line(package, name)}"]
+    for arch in package.__all__:
+        module = getattr(package, arch)
+        if not isinstance(module, types.ModuleType):
+            continue
+        lines.append(f"  - `smp.nn.{name}.{arch}`: {first_line(module, arch)}")
+        for fn in module.__all__:
+            if fn != "ARCH":
+                obj = getattr(module, fn)
+                lines.append(f"    - `{fn}{signature(obj)}`: {first_line(obj, fn)}")
     return lines
 
 

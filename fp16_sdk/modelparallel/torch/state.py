@@ -8,8 +8,8 @@ Fields (docs/internals.md "Runtime state"):
 - model / optimizer: the one DistributedModel / DistributedOptimizer.
 - creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
   PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used.
-- module_manager: the part of smp's module manager scripts read, `translate_functions`
-  (Hugging Face's save_pretrained applies each (smp_to_hf, hf_to_smp) pair's first function).
+- module_manager: `translate_functions`, the (smp_to_hf, hf_to_smp) state-dict pairs that
+  transformers' `save_pretrained` applies under smp (nn/huggingface registers one per model).
 - in_step, microbatch (index inside the running step, else None; per thread, because with
   pp > 1 the pipeline runs each microbatch's step body in a thread of its own),
   num_microbatches, step_count (completed steps).
@@ -27,16 +27,15 @@ __all__ = ["state", "RuntimeState", "ModuleManager"]
 
 
 class ModuleManager:
-    """`smp.state.module_manager`: the state-dict translations registered for the model.
+    """What transformers reads as `smp.state.module_manager`.
 
-    `translate_functions` holds (smp_to_hf, hf_to_smp) pairs. smp registers them when it
-    replaces Hugging Face modules by its own (other parameter names); this runtime's
-    `DistributedModel.state_dict()` already has the plain module's keys, so none is needed
-    and the list starts empty.
+    Attributes:
+        translate_functions: list of (smp_to_hf, hf_to_smp) callables, each state dict -> state
+            dict; `save_pretrained` passes its state dict through every smp_to_hf in order.
     """
 
     def __init__(self):
-        self.translate_functions: list[tuple] = []
+        self.translate_functions: list[tuple[Any, Any]] = []
 
     def register_translate_function(self, functions: tuple) -> None:
         """Add an (smp_to_hf, hf_to_smp) pair."""
@@ -66,6 +65,7 @@ class RuntimeState:
         self.pending_resume: Any = None  # resume_from_checkpoint called before the model existed
         self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self.creation_dtype: Any = None
+        self.module_manager = ModuleManager()
         self.in_step = False
         self._thread = threading.local()  # microbatch, per thread
         self.step_count = 0

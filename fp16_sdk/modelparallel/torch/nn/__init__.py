@@ -1,7 +1,11 @@
 """smp.nn: tensor-parallel modules (all sizes global across the TP ranks).
 
 At tensor_parallel_degree 1 every module is a plain module: same maths, no communication.
+`smp.nn.huggingface` (Hugging Face models split in place) is imported on first use, because it
+imports transformers.
 """
+
+import importlib
 
 from .attention import DistributedAttentionLayer
 from .auto import (distribute_tensor_parallel, distributed_modules, gather_full_state_dict,
@@ -32,4 +36,11 @@ __all__ = [
     "distributed_modules",
     "is_distributed_parameter",
     "is_scaled_batch_parameter",
+    "huggingface",
 ]
+
+
+def __getattr__(name: str):
+    if name == "huggingface":
+        return importlib.import_module(f"{__name__}.huggingface")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,6 +9,12 @@ weights sharded from the original so the numerics are unchanged; its subtree is 
 again. A module that shares a parameter with a module outside its subtree, or whose sizes do
 not divide by tp, is left whole with one log line.
 
+Before that walk, supported Hugging Face blocks are split in place (nn/huggingface: enabled by
+a creation context or, when no context recorded anything, by default); after it, a model in
+which nothing was split is an SMPConfigError naming its module types and the fixes, never a
+silent data-parallel run. Fused projections (GPT-2's q|k|v) are split part by part
+(`shard_tensor`), and gathered back into HF's layout.
+
 Record format (`state.creation[module]`, a dict): `"tensor_parallelism": bool` and
 `"tp_config": {key: value}` (the context's keyword arguments, e.g. distribute_embedding).
 """
@@ -17,10 +23,12 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SMPConfigError, CheckpointError
@@ -35,6 +43,7 @@ __all__ = [
     "distributed_modules",
     "is_distributed_parameter",
     "is_scaled_batch_parameter",
+    "shard_tensor",
 ]
 
 log = logging.getLogger("fp16_sdk.modelparallel.tp")
@@ -68,6 +77,9 @@ def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | No
     if ctx.size == 1:
         return module
     lookup = options or _recorded_options
+    if "transformers" in sys.modules:  # a Hugging Face model needs transformers imported
+        from .huggingface import distribute_hf_blocks
+        distribute_hf_blocks(module, lookup=lookup, tp_context=ctx)
     owners = _parameter_owners(module)
     root_opts = lookup(module)
     if root_opts and root_opts.get("enabled"):
@@ -75,15 +87,31 @@ def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | No
         if replaced is not None:
             return replaced
     _walk(module, "", root_opts, lookup, ctx, owners, module)
+    if not distributed_modules(module):
+        raise _nothing_split_error(module, ctx.size)
     return module
+
+
+def _nothing_split_error(module: nn.Module, tp: int) -> SMPConfigError:
+    kinds = sorted({type(m).__name__ for m in module.modules() if m._parameters})
+    shown = ", ".join(kinds[:12]) + (" ..." if len(kinds) > 12 else "")
+    return SMPConfigError(
+        f"tensor_parallel_degree ({tp}) > 1 but no module of {type(module).__name__} was split "
+        f"across the tensor-parallel ranks; its module types ({shown}) are not supported for "
+        f"tensor parallelism, or were created with tensor parallelism disabled. Fix: register "
+        f"your module class with smp.tp_register_with_module(YourModule, <smp.nn distributed "
+        f"module>), build the model from smp.nn layers, create torch.nn.Linear layers under "
+        f"smp.tensor_parallelism(), use a supported Hugging Face architecture (GPT-2, GPT-J, "
+        f"GPT-NeoX, BERT, RoBERTa, Llama, Mistral, Qwen2), or set tensor_parallel_degree to 1",
+        key="tensor_parallel_degree", value=tp)
 
 
 def _walk(parent, prefix, parent_opts, lookup, ctx, owners, root) -> None:
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
         opts = lookup(child) or parent_opts
-        if isinstance(child, DistributedModule):
-            continue  # an smp.nn module used directly is distributed already
+        if isinstance(child, DistributedModule) or getattr(child, "_smp_distributed_module", False):
+            continue  # an smp.nn module used directly, or a sharded HF block: distributed already
         if opts and opts.get("enabled"):
             replaced = _try_distribute(child, path, opts, ctx, owners, root)
             if replaced is not None:
@@ -193,17 +221,35 @@ def is_scaled_batch_parameter(param: torch.Tensor) -> bool:
 
 # ---- state dicts ---------------------------------------------------------------------------
 
-def _split_entries(module: nn.Module) -> dict[str, tuple[int, TPContext]]:
-    """state-dict key -> (split dim, TP context) for every sharded tensor under module."""
+def shard_tensor(full: torch.Tensor, dim: int, parts: int, size: int, rank: int) -> torch.Tensor:
+    """This rank's slice of `full` along `dim`; with parts > 1 each of the `parts` equal blocks
+    (fused q|k|v) is sliced on its own and the slices are concatenated (q_r|k_r|v_r)."""
+    blocks = full.chunk(parts, dim=dim) if parts > 1 else (full,)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
+
+
+def _gather_tensor(local: torch.Tensor, dim: int, parts: int, group) -> torch.Tensor:
+    """Inverse of shard_tensor over the TP group (collective)."""
+    gathered = _all_gather(local, dim, group)  # (rank 0's q|k|v, rank 1's q|k|v, ...)
+    if parts == 1:
+        return gathered
+    per_rank = [r.chunk(parts, dim=dim) for r in gathered.chunk(dist.get_world_size(group), dim=dim)]
+    return torch.cat([torch.cat([r[p] for r in per_rank], dim=dim) for p in range(parts)], dim=dim)
+
+
+def _split_entries(module: nn.Module) -> dict[str, tuple[int, TPContext, int]]:
+    """state-dict key -> (split dim, TP context, parts) for every sharded tensor under module."""
     entries = {}
     for prefix, m in module.named_modules():
         if isinstance(m, DistributedModule) and m.tp.size > 1:
             for name, dim in m._smp_split_dims.items():
-                entries[f"{prefix}.{name}" if prefix else name] = (dim, m.tp)
+                key = f"{prefix}.{name}" if prefix else name
+                entries[key] = (dim, m.tp, m._smp_split_parts.get(name, 1))
     return entries
 
 
-def gather_full_state_dict(module: nn.Module, local: Mapping[str, Any] | None = None) -> OrderedDict:
+def gather_full_state_dict(module: nn.Module, local: Mapping[str, Any] | None = None, *,
+                           only_local_shapes: bool = False) -> OrderedDict:
     """The unsplit state dict (loadable by the same model built with tp = 1). Collective.
 
     Every TP rank must call it (each shard is all-gathered over its TP group, in key order).
@@ -211,14 +257,20 @@ def gather_full_state_dict(module: nn.Module, local: Mapping[str, Any] | None = 
     Args:
         module: the (possibly distributed) model.
         local: its local state dict (default: module.state_dict()); keys relative to module.
+        only_local_shapes: gather only entries that have this rank's shard shape, keep the
+            others (already full) as they are.
 
     Returns:
         OrderedDict with full tensors (on the shards' device).
     """
     sd = OrderedDict(module.state_dict() if local is None else local)
-    for key, (dim, ctx) in _split_entries(module).items():
-        if key in sd:
-            sd[key] = _all_gather(sd[key].detach(), dim, ctx.group)
+    current = module.state_dict() if only_local_shapes else None
+    for key, (dim, ctx, parts) in _split_entries(module).items():
+        if key not in sd:
+            continue
+        if current is not None and tuple(sd[key].shape) != tuple(current[key].shape):
+            continue
+        sd[key] = _gather_tensor(sd[key].detach(), dim, parts, ctx.group)
     return sd
 
 
@@ -233,7 +285,7 @@ def shard_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> O
     """
     out = OrderedDict((k, v) for k, v in state_dict.items() if k != "_smp_is_partial")
     current = module.state_dict()
-    for key, (dim, ctx) in _split_entries(module).items():
+    for key, (dim, ctx, parts) in _split_entries(module).items():
         if key not in out:
             continue
         t, want = out[key], tuple(current[key].shape)
@@ -244,5 +296,5 @@ def shard_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> O
             raise CheckpointError(
                 f"state dict entry {key!r} has shape {tuple(t.shape)}; expected the full shape "
                 f"{full} or this rank's shard {want} (tensor_parallel_degree {ctx.size})")
-        out[key] = t.chunk(ctx.size, dim=dim)[ctx.rank].clone()
+        out[key] = shard_tensor(t, dim, parts, ctx.size, ctx.rank).clone()
     return out

@@ -8,7 +8,9 @@ Parameter attributes set here (docs/internals.md):
 - `_smp_distributed = True` on every shard (reduced over RDP, counted on every TP rank in norms);
 - `_smp_scaled_batch = True` on every parameter of a distributed module, shards and replicated
   ones alike: they see the TP group's gathered batch, so they are reduced over RDP too.
-A module records `_smp_split_dims` {parameter name: split dim} for state-dict gather/shard.
+A module records `_smp_split_dims` {parameter name: split dim} for state-dict gather/shard, and
+`_smp_split_parts` {parameter name: parts} for fused projections (q|k|v side by side along the
+split dim: each part is split on its own, see auto.py `shard_tensor`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class DistributedModule(nn.Module):
         self._smp_distributed_module = True
         self._smp_nested = False  # set by an enclosing distributed module
         self._smp_split_dims: dict[str, int] = {}
+        self._smp_split_parts: dict[str, int] = {}
 
     # -- batch semantics (prescaled_batch=False) --
     def _gathers_batch(self) -> bool:
