@@ -121,3 +121,33 @@ def test_optimizer_local_state_dict_smp_arguments():
     assert set(opt.local_state_dict(fp32_states_only=True)) == {"optimizer_state_dict",
                                                                  "_smp_is_partial"}
     opt.load_state_dict(sd, gather_if_shard=False)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "bert"])
+def test_smp_v1_module_names_alias_hf_modules(arch):
+    """AWS's scripts reach blocks as get_module().transformer.seq_layers and a block's halves as
+    .attention / .output (smp v1's own module names); they must name HF's own modules, and the
+    module tree and state-dict keys must stay exactly the plain model's."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=32)
+    model = {
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=8)),
+        "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**small)),
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**small)),
+        "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(**small)),
+    }[arch]()
+    keys = list(model.state_dict())
+    names = [n for n, _ in model.named_modules()]
+    wrapped = smp.DistributedModel(model)
+    m = wrapped.get_module()
+    hf_blocks = {"gpt2": lambda: m.transformer.h, "gpt_neox": lambda: m.gpt_neox.layers,
+                 "llama": lambda: m.model.layers, "bert": lambda: m.bert.encoder.layer}[arch]()
+    assert m.transformer.seq_layers is hf_blocks
+    halves = {"gpt2": ("attn", "mlp"), "gpt_neox": ("attention", "mlp"),
+              "llama": ("self_attn", "mlp"), "bert": ("attention", "output")}[arch]
+    for block in m.transformer.seq_layers:
+        assert block.attention is getattr(block, halves[0])
+        assert block.output is getattr(block, halves[1])
+    assert list(m.state_dict()) == keys and [n for n, _ in m.named_modules()] == names

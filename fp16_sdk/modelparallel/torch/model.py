@@ -16,6 +16,7 @@ placeholders, so it holds and steps only the local part, and nothing it copied g
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -127,6 +128,9 @@ class DistributedModel(nn.Module):
         self._wrap_args = given
         if state.topology.tp > 1:
             module = _distribute_tp(module)
+        if "transformers" in sys.modules:  # smp v1's names (transformer.seq_layers, ...) on HF models
+            from .nn.huggingface.v1_names import add_v1_names
+            add_v1_names(module)
         from .activation_checkpointing import apply_recorded
         apply_recorded(module)  # set_activation_checkpointing calls made before wrapping
         wrapper = _fp16_wrapper(module)
