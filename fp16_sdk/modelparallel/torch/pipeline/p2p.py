@@ -92,19 +92,27 @@ class TensorChannel:
     Args:
         group: the process group the peers belong to (the pipeline group), or None for world.
         device: where received tensors (and headers, for NCCL) live.
+        failure: the job's FailureSignal (failure.py): waits end when another stage failed.
     """
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, failure=None):
         self.group = group
         self.device = device
+        self.failure = failure
         self._pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive)
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.contiguous()
         self._pending.append((dist.isend(tensor, dst, group=self.group), tensor))
 
+    def _wait(self, work) -> None:
+        if self.failure is None:
+            work.wait()
+        else:
+            self.failure.wait(work)
+
     def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        dist.irecv(tensor, src, group=self.group).wait()
+        self._wait(dist.irecv(tensor, src, group=self.group))
         return tensor
 
     def send(self, obj: Any, dst: int) -> None:
@@ -143,6 +151,6 @@ class TensorChannel:
 
     def flush(self) -> None:
         """Wait for every posted send (end of step)."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self._wait(work)
