@@ -44,7 +44,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     It is a `torch.optim.Optimizer` sharing `param_groups` and `state` with the inner
     optimizer, so LR schedulers accept it in every mode. With `fp16` (or `bf16`) in the smp
     config, the inner optimizer's param groups are rewritten to hold fp32 masters of the
-    half parameters; fp32 parameters are stepped as they are.
+    half parameters; fp32 parameters are stepped as they are. With pp > 1 the model is
+    partitioned at the first `smp.step`, and the masters are built then, from this stage's
+    parameters (`param_groups` work for LR schedulers before that; a `load_state_dict` made
+    before the first step is applied then).
 
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.

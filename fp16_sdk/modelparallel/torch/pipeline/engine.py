@@ -168,9 +168,13 @@ class PipelineEngine:
         args, kwargs = self._first_request()
         broadcast_from(self.module, s.pp_ranks[0], s.group)  # tied copies start equal
         tracer = Tracer(self.module, self._stage_forward.units, s.num_stages)
-        with _unchanged(self.module):
-            self.trace = self._stage_forward.run_trace(tracer, self.model._forward_module,
-                                                       args, kwargs)
+        state.tracing = True
+        try:
+            with _unchanged(self.module):
+                self.trace = self._stage_forward.run_trace(tracer, self.model._forward_module,
+                                                           args, kwargs)
+        finally:
+            state.tracing = False
         self._tied = find_tied(self.module, self.partition, self.stage, self.trace.held)
         self.freed_numel = release_other_stages(self.module, self.partition, self.stage,
                                                 self.trace.held)
