@@ -108,7 +108,7 @@ class StageExecutor:
                 f"the same torch.no_grad() on every rank")
         if declared:
             self.bodies.set_forward_only("the step function was called with gradients "
-                                         "disabled on pipeline rank 0")
+                                         "disabled")  # on pipeline rank 0
 
     # ---- O -----------------------------------------------------------------------------
     def _output(self, slot: Slot, inbox: dict) -> dict:
