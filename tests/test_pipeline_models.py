@@ -261,3 +261,21 @@ def test_a_stage_that_raises_ends_every_rank_with_its_error():
     assert aborted.startswith("PipelineAborted: pipeline stage 1 (global rank 1) failed: "
                               "ValueError: boom in stage 1"), aborted
     assert seconds < 30
+
+
+def _many_tensors(rank, world):
+    import torch.distributed as dist
+    from fp16_sdk.modelparallel.torch.pipeline.p2p import TensorChannel
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    channel = TensorChannel(None, torch.device("cpu"))
+    value = {f"layer{i}": (torch.full((1, 2, 3, 4), float(i)), None) for i in range(60)}
+    if rank == 0:  # 60 tensors of 4 dims: 2 + 60 * 6 header words, more than the fixed 256
+        channel.send(value, 1)
+        channel.flush()
+        return None
+    got = channel.recv(0)
+    return all(torch.equal(got[k][0], v[0]) and got[k][1] is None for k, v in value.items())
+
+
+def test_a_message_with_a_long_header_crosses_stages():
+    assert run_ranks(_many_tensors, 2, timeout=120)[1] is True
