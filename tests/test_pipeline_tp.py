@@ -89,13 +89,7 @@ def _lm_case(rank, world, schedule, fp16, placement="cluster"):
         model.backward(loss)
         return loss
 
-    engine = model._pipeline
-    model.module._smp_stage_here = engine.stage
-    held, own, total = _block_bytes(model.module, engine.partition.block_stage)
-    report = {"stage": engine.stage, "held": held, "own": own, "total": total,
-              "local_numel": sum(p.numel() for p in model.local_parameters()),
-              "tied_duplicate": [n for n, p in model.module.named_parameters()
-                                 if getattr(p, "_smp_tied_duplicate", False)]}
+    assert model._pipeline is None  # partitioned at the first step, as smp does
     rows_of_rank = [slice(d * (BATCH // smp.dp_size()), (d + 1) * (BATCH // smp.dp_size()))
                     for d in range(smp.dp_size())]
     errors = {"loss": 0.0, "grad": 0.0, "norm": 0.0}
@@ -115,6 +109,14 @@ def _lm_case(rank, world, schedule, fp16, placement="cluster"):
         errors["norm"] = max(errors["norm"], abs(norm - ref_norm) / ref_norm)
         opt.step()
         ref_opt.step()
+        if step == 0:
+            engine = model._pipeline
+            model.module._smp_stage_here = engine.stage
+            held, own, total = _block_bytes(model.module, engine.partition.block_stage)
+            report = {"stage": engine.stage, "held": held, "own": own, "total": total,
+                      "local_numel": sum(p.numel() for p in model.local_parameters()),
+                      "tied_duplicate": [n for n, p in model.module.named_parameters()
+                                         if getattr(p, "_smp_tied_duplicate", False)]}
     full = model.state_dict()
     weight_err = max((full[k].float() - v.float()).abs().max().item()
                      for k, v in ref.state_dict().items())

@@ -43,8 +43,8 @@ RDP_RANK = RankType.RDP_RANK
 
 
 def is_tracing() -> bool:
-    """False: this runtime partitions without a tracing pass."""
-    return False
+    """True while the pipeline's first-step trace runs the model's forward (pp > 1)."""
+    return state.tracing
 
 
 __all__ = [

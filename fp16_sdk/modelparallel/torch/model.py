@@ -1,16 +1,19 @@
 """`smp.DistributedModel`: the one wrapped model of a training script.
 
-Wrap time: TP module replacement (tp > 1, by smp.nn's `distribute_tensor_parallel`), the FP16 /
-BF16 wrapper (`fp16.module.FP16Module`), with pp > 1 partitioning by the pipeline engine (it
-frees other stages' tensors), then device placement, parameter and buffer broadcast from the
-first rank of each data-parallel group, and the gradient reducer. Post-partition hooks and a
-pending load_state_dict run at the first `smp.step`. Gradient maths: see reducer.py.
+Wrap time: TP module replacement (tp > 1, by smp.nn's `distribute_tensor_parallel`) and the
+FP16 / BF16 wrapper (`fp16.module.FP16Module`); with pp == 1 also device placement,
+parameter and buffer broadcast from the first rank of each data-parallel group, and the
+gradient reducer. Post-partition hooks and a pending load_state_dict run at the first
+`smp.step`. Gradient maths: see reducer.py.
 
-Why pp > 1 partitions at wrap time, not at the first step as smp's tracer does: the partition
-here is arithmetic on the module tree (no trace needed), and scripts build the optimizer from
-`model.parameters()` right after wrapping. Partitioned first, that optimizer (and its fp32
-masters with fp16) sees this stage's tensors at full size and other stages' as 0-element
-placeholders, so it holds and steps only the local part, and nothing it copied goes stale.
+With pp > 1, partitioning happens at the first `smp.step`, as smp does: the pipeline engine
+is built then (so `smp.partition` / `smp.set_partition` calls made before or after wrapping
+count), traces one forward on pipeline rank 0's inputs and frees other stages' tensors, and
+then calls `_on_partitioned()`: broadcast, reducer, the DistributedOptimizer's per-stage
+state (its fp32 masters are built only now, from this stage's tensors; until then it steps
+nothing and its `param_groups` hold the whole model's parameters, so LR schedulers built
+before the first step work), post-partition hooks and pending loads, all before the first
+real forward. Other stages' parameters stay in `model.parameters()` as 0-element tensors.
 """
 
 from __future__ import annotations
@@ -159,7 +162,9 @@ class DistributedModel(nn.Module):
         self._backwards_in_step = 0
         self._sync_this_step = False
         state.model = self
-        self._partition()
+        if not self._pipeline_enabled:
+            self.module.to(state.device)
+            self._on_partitioned()
 
     def _wraps(self, module: nn.Module) -> bool:
         return module is self.module or module is self._wrapped_input()
@@ -177,21 +182,29 @@ class DistributedModel(nn.Module):
     def _pipeline_enabled(self) -> bool:
         return state.topology.pp > 1
 
-    def _partition(self) -> None:
-        if self._pipeline_enabled:
-            try:
-                from .pipeline.engine import PipelineEngine
-            except ImportError as exc:
-                raise SMPUnsupportedError(
-                    f"pipeline_parallel_degree ({state.topology.pp}) > 1 needs the pipeline "
-                    f"engine (fp16_sdk.modelparallel.torch.pipeline.engine.PipelineEngine), "
-                    f"which is not available") from exc
-            self._pipeline = PipelineEngine(self)  # partitions and places the local stage
-        else:
-            self.module.to(state.device)
+    def _build_pipeline(self) -> None:
+        """pp > 1, first step: the engine decides the partition now (module docstring)."""
+        try:
+            from .pipeline.engine import PipelineEngine
+        except ImportError as exc:
+            raise SMPUnsupportedError(
+                f"pipeline_parallel_degree ({state.topology.pp}) > 1 needs the pipeline "
+                f"engine (fp16_sdk.modelparallel.torch.pipeline.engine.PipelineEngine), "
+                f"which is not available") from exc
+        self._pipeline = PipelineEngine(self)
+
+    def _on_partitioned(self) -> None:
+        """The local part is final: broadcast it over DP, build the reducer and the
+        optimizer's per-stage state; with pp > 1 (called by the engine inside the first step)
+        also run the post-partition hooks."""
         self._broadcast_state(params=True)
         self._reducer = self._build_reducer()
         self.partitioned = True
+        optimizer = state.optimizer
+        if optimizer is not None:
+            optimizer._build_stage_state()
+        if self._pipeline_enabled:
+            self._run_partition_hooks()
 
     def _broadcast_state(self, *, params: bool) -> None:
         """Make every data-parallel replica equal to the first one of its group."""
@@ -220,17 +233,22 @@ class DistributedModel(nn.Module):
                            gradient_as_bucket_view=self.gradient_as_bucket_view)
 
     # ---- step protocol (called by smp.step) -------------------------------------------------
+    def _run_partition_hooks(self) -> None:
+        self._hooks_ran = True
+        for hook in list(self._post_partition_hooks.values()):
+            hook(self, state.optimizer)
+        if self._pending_load is not None:
+            sd, strict, same = self._pending_load
+            self._pending_load = None
+            self._load(sd, strict=strict, same_partition_load=same)
+
     def _pre_step(self) -> None:
-        if not self.partitioned:
-            self._partition()
-        if not self._hooks_ran:
-            self._hooks_ran = True
-            for hook in list(self._post_partition_hooks.values()):
-                hook(self, state.optimizer)
-            if self._pending_load is not None:
-                sd, strict, same = self._pending_load
-                self._pending_load = None
-                self._load(sd, strict=strict, same_partition_load=same)
+        if self._pipeline_enabled and self._pipeline is None:
+            self._build_pipeline()  # the rest of partitioning runs inside the first step
+        elif not self.partitioned:
+            pass  # a first step that failed before the engine finished partitioning
+        elif not self._hooks_ran:
+            self._run_partition_hooks()
         elif self.broadcast_buffers:
             self._broadcast_state(params=False)
         if self._reducer is not None and self._reducer.armed:
@@ -339,7 +357,7 @@ class DistributedModel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False,
                         **kwargs):
         """Load a full or partial (`_smp_is_partial`) state dict; deferred until after
-        partitioning when pp > 1 (then returns None).
+        partitioning (the first step) when pp > 1 (then returns None).
 
         Returns:
             torch's (missing_keys, unexpected_keys) result when loaded now.

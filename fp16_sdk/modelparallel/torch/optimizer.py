@@ -44,7 +44,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     It is a `torch.optim.Optimizer` sharing `param_groups` and `state` with the inner
     optimizer, so LR schedulers accept it in every mode. With `fp16` (or `bf16`) in the smp
     config, the inner optimizer's param groups are rewritten to hold fp32 masters of the
-    half parameters; fp32 parameters are stepped as they are.
+    half parameters; fp32 parameters are stepped as they are. With pp > 1 the model is
+    partitioned at the first `smp.step`, and the masters are built then, from this stage's
+    parameters (`param_groups` work for LR schedulers before that; a `load_state_dict` made
+    before the first step is applied then).
 
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.
@@ -74,15 +77,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                    dynamic_loss_args, flat_loss_args)
         self._masters = None
         self._fused: FusedStepper | None = None
-        if self.fp16 or self.bf16:
-            kind = fused_kind(optimizer)
-            self._fused = FusedStepper(kind, optimizer) if kind else None
-            self._masters = MasterParams(optimizer.param_groups, counts=_counts_in_norm,
-                                         master_grads=self._fused is None)
-            _remap_state(optimizer, self._masters)
+        self._stage_state_built = False
+        self._pending_load: dict | None = None
         # The base init only sets up hook dicts here; the groups are then shared, not copied.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._share_inner()
+        if _partitioned():
+            self._build_stage_state()
         self.overflow = False
         self.skipped_steps = 0
         self.steps = 0
@@ -93,6 +94,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._logged_skips = 0
         self._last_overflow = False
         state.optimizer = self
+
+    # ---- deferred per-stage state ----------------------------------------------------------
+    def _build_stage_state(self) -> None:
+        """Build what depends on the partition (fp32 masters of this stage's half
+        parameters, the fused stepper) and apply a load_state_dict that waited for it.
+
+        Called at construction when the model is already partitioned, else by the
+        DistributedModel once it is (pp > 1: inside the first step, before any forward).
+        Until then `param_groups` are the inner optimizer's own, with the whole model's
+        parameters, so LR schedulers can be built and stepped on them; the masters later
+        replace the half parameters inside those same group dicts. Idempotent.
+        """
+        if self._stage_state_built:
+            return
+        self._stage_state_built = True
+        optimizer = self.optimizer
+        if self.fp16 or self.bf16:
+            kind = fused_kind(optimizer)
+            self._fused = FusedStepper(kind, optimizer) if kind else None
+            self._masters = MasterParams(optimizer.param_groups, counts=_counts_in_norm,
+                                         master_grads=self._fused is None)
+            _remap_state(optimizer, self._masters)
+        self._share_inner()
+        pending, self._pending_load = self._pending_load, None
+        if pending is not None:
+            self.load_state_dict(pending)
 
     # ---- what scripts read -------------------------------------------------------------
     @property
@@ -326,6 +353,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             CheckpointError: the masters saved do not match this optimizer's parameters.
         """
+        if not self._stage_state_built:  # before the first step's partitioning (pp > 1)
+            self._pending_load = state_dict
+            return
         sd = state_dict
         if "mp_rank_states" in sd:
             sd = sd["mp_rank_states"][state.topology.mp_rank(state.rank)]
@@ -363,6 +393,14 @@ def _make_scaler(fp16, static_loss_scale, dynamic_loss_scale, dynamic_loss_args,
     if dynamic_loss_scale:
         return DynamicLossScaler(**{**DYNAMIC_LOSS_ARGS, **args})
     return StaticLossScaler(1.0 if static_loss_scale is None else static_loss_scale)
+
+
+def _partitioned() -> bool:
+    """Whether the model's partition is final (always, with pp == 1: at wrap time)."""
+    model = state.model
+    if model is not None:
+        return bool(model.partitioned)
+    return state.topology is None or state.topology.pp == 1
 
 
 def _counts_in_norm(p) -> bool:

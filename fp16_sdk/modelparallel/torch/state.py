@@ -67,6 +67,7 @@ class RuntimeState:
         self.creation_dtype: Any = None
         self.module_manager = ModuleManager()
         self.in_step = False
+        self.tracing = False  # the pipeline's first-step trace is running (pipeline/trace.py)
         self._thread = threading.local()  # microbatch, per thread
         self.step_count = 0
         self.owns_process_group = False

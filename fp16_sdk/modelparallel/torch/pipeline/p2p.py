@@ -1,7 +1,8 @@
 """Point-to-point transfer of any picklable Python value holding tensors between pipeline stages.
 
 A message is: a fixed-size int64 header (skeleton byte length, tensor count, then dtype code,
-rank and sizes of each tensor), the skeleton, then each tensor. The skeleton is the value
+rank and sizes of each tensor; when that is longer than the fixed size, the fixed header holds
+minus its length and the long header follows), the skeleton, then each tensor. The skeleton is the value
 pickled with every tensor replaced by a persistent id (its slot number, pickle's own hook for
 out-of-band objects), so whatever the model returns crosses stages as it is: tensors, None,
 Python scalars and strings, tuples, dicts, Hugging Face `ModelOutput`s (ordered-dict
@@ -92,19 +93,27 @@ class TensorChannel:
     Args:
         group: the process group the peers belong to (the pipeline group), or None for world.
         device: where received tensors (and headers, for NCCL) live.
+        failure: the job's FailureSignal (failure.py): waits end when another stage failed.
     """
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, failure=None):
         self.group = group
         self.device = device
+        self.failure = failure
         self._pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive)
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.contiguous()
         self._pending.append((dist.isend(tensor, dst, group=self.group), tensor))
 
+    def _wait(self, work) -> None:
+        if self.failure is None:
+            work.wait()
+        else:
+            self.failure.wait(work)
+
     def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        dist.irecv(tensor, src, group=self.group).wait()
+        self._wait(dist.irecv(tensor, src, group=self.group))
         return tensor
 
     def send(self, obj: Any, dst: int) -> None:
@@ -116,11 +125,13 @@ class TensorChannel:
                 raise PipelineCommError(f"cannot send a {t.dtype} tensor between stages; "
                                         f"supported: {_DTYPES}")
             header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-        if len(header) > _HEADER:
-            raise PipelineCommError(f"a stage boundary carries {len(tensors)} tensors with "
-                                    f"{len(header)} header words; at most {_HEADER} fit")
         head = torch.zeros(_HEADER, dtype=torch.int64)
-        head[:len(header)] = torch.tensor(header, dtype=torch.int64)
+        if len(header) > _HEADER:  # a long one follows the fixed one, which gives its length
+            head[0] = -len(header)
+            self._isend(head.to(self.device), dst)
+            head = torch.tensor(header, dtype=torch.int64)
+        else:
+            head[:len(header)] = torch.tensor(header, dtype=torch.int64)
         self._isend(head.to(self.device), dst)
         self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device), dst)
         for t in tensors:
@@ -130,19 +141,24 @@ class TensorChannel:
         """Receive one structure from global rank src (blocks until it is there)."""
         head = self._recv(torch.empty(_HEADER, dtype=torch.int64, device=self.device),
                           src).tolist()
+        if head[0] < 0:  # a long header follows
+            head = self._recv(torch.empty(-head[0], dtype=torch.int64, device=self.device),
+                              src).tolist()
         blob_len, count = head[0], head[1]
-        blob = self._recv(torch.empty(blob_len, dtype=torch.uint8, device=self.device), src)
-        skeleton = blob.cpu().numpy().tobytes()
+        blob = torch.empty(blob_len, dtype=torch.uint8, device=self.device)
         tensors, i = [], 2
         for _ in range(count):
             dtype, ndim = _DTYPES[head[i]], head[i + 1]
-            shape = head[i + 2:i + 2 + ndim]
+            tensors.append(torch.empty(head[i + 2:i + 2 + ndim], dtype=dtype, device=self.device))
             i += 2 + ndim
-            tensors.append(self._recv(torch.empty(shape, dtype=dtype, device=self.device), src))
+        works = [dist.irecv(t, src, group=self.group) for t in [blob] + tensors]  # in order
+        for work in works:
+            self._wait(work)
+        skeleton = blob.cpu().numpy().tobytes()
         return unflatten(skeleton, tensors)
 
     def flush(self) -> None:
         """Wait for every posted send (end of step)."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self._wait(work)

@@ -1,12 +1,16 @@
-"""Which stage owns which module: contiguous stages over the model's list of blocks.
+"""Which stage owns which module: contiguous stages over the model's chain of modules.
 
-The model is read as `pre -> blocks[0..n-1] -> post`: the blocks are the children of the
-largest `nn.ModuleList`/`nn.Sequential` in the tree (by parameter count, at least two
-children; `DistributedTransformer`'s layer list qualifies). Along the path from the root to
-that list, the siblings registered before the path are `pre` (embeddings: always stage 0) and
-those registered after it `post` (final norm, LM head: always the last stage); registration
-order stands for call order, as in every model built the usual way (the engine raises if a
-forward breaks it). The ancestors' own parameters belong to stage 0.
+The unit of placement is a module. The model is read as `pre -> blocks[0..n-1] -> post`: the
+blocks are the children of the largest `nn.ModuleList`/`nn.Sequential` in the tree (by
+parameter count, at least two children; `DistributedTransformer`'s layer list qualifies), or,
+in a model without one (AWS's MNIST `Net`), the children of the first module met going down
+from the root that has two or more (a plain `nn.Module` with conv/linear children used with
+functional ops between them). Along the path from the root to the blocks' parent, the
+siblings registered before the path are `pre` (embeddings: stage 0) and those registered after
+it `post` (final norm, LM head: the last stage). These pre, block and post modules are the
+units the engine places (pipeline/trace.py); the ancestors on the path (the "parent" modules)
+run on every stage. Registration order stands for call order; the first step's trace checks
+the real order and refuses a partition whose stages would go down along it.
 
 Automatic partitioning balances, over contiguous runs of blocks (each stage at least one), the
 cost `memory_weight * param_share + (1 - memory_weight) * compute_share`, where param_share is
@@ -42,8 +46,9 @@ class Partition:
 
     Attributes:
         num_stages: p.
-        blocks_path: qualified name of the block list ("" when the root is the list).
+        blocks_path: qualified name of the blocks' parent ("" when it is the root).
         block_stage: stage of each block, non-decreasing.
+        block_names: qualified name of each block.
         pre, post: names of the modules run before / after the blocks.
         param_stage: owning stage of every parameter, by qualified name.
         mode: "auto" or "manual".
@@ -56,9 +61,17 @@ class Partition:
     post: tuple[str, ...]
     param_stage: dict[str, int]
     mode: str
+    block_names: tuple[str, ...] = ()
 
     def block_name(self, i: int) -> str:
-        return f"{self.blocks_path}.{i}" if self.blocks_path else str(i)
+        return self.block_names[i]
+
+    def unit_stages(self) -> dict[str, int]:
+        """Qualified name -> stage of every placed module (pre, blocks, post)."""
+        units = {name: 0 for name in self.pre}
+        units.update(zip(self.block_names, self.block_stage))
+        units.update({name: self.num_stages - 1 for name in self.post})
+        return units
 
     def describe(self, module: nn.Module) -> str:
         """Log text: module -> stage and parameter counts per stage."""
@@ -83,11 +96,11 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def find_blocks(module: nn.Module) -> tuple[str, nn.Module]:
-    """The (qualified name, container) of the model's block list.
+def find_blocks(module: nn.Module) -> tuple[str, list[str]]:
+    """(qualified name of the blocks' parent, qualified names of the blocks), module doc.
 
     Raises:
-        SMPConfigError: no ModuleList/Sequential with at least two children.
+        SMPConfigError: no module with at least two children.
     """
     best: tuple[int, int, str, nn.Module] | None = None
     for name, sub in module.named_modules():
@@ -96,11 +109,18 @@ def find_blocks(module: nn.Module) -> tuple[str, nn.Module]:
             if best is None or key > best[:2]:
                 best = (*key, name, sub)
     if best is None:
-        raise SMPConfigError(
-            f"pipeline_parallel_degree > 1 needs the model ({type(module).__name__}) to hold "
-            f"its layers in an nn.ModuleList or nn.Sequential of at least two blocks; none "
-            f"was found", key="pipeline_parallel_degree")
-    return best[2], best[3]
+        path, node = "", module
+        while len(list(node.children())) == 1:
+            child_name, node = next(iter(node.named_children()))
+            path = f"{path}.{child_name}" if path else child_name
+        if len(list(node.children())) < 2:
+            raise SMPConfigError(
+                f"pipeline_parallel_degree > 1 needs the model ({type(module).__name__}) to "
+                f"have at least two submodules to place on stages; it has "
+                f"{len(list(module.modules())) - 1}", key="pipeline_parallel_degree")
+        best = (0, 0, path, node)
+    path, parent = best[2], best[3]
+    return path, [f"{path}.{n}" if path else n for n, _ in parent.named_children()]
 
 
 def _pre_post(module: nn.Module, blocks_path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -124,11 +144,10 @@ def _compute_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if id(p) not in tables)
 
 
-def _param_owners(module, blocks_path, block_stage, pre, post, p) -> dict[str, int]:
+def _param_owners(module, blocks, block_stage, pre, post, p) -> dict[str, int]:
     owner_of_module = {name: 0 for name in pre}
     owner_of_module.update({name: p - 1 for name in post})
-    prefix = f"{blocks_path}." if blocks_path else ""
-    owner_of_module.update({f"{prefix}{i}": s for i, s in enumerate(block_stage)})
+    owner_of_module.update(dict(zip(blocks, block_stage)))
     owners = {}
     for pname, _ in module.named_parameters():
         stage, best = 0, -1
@@ -192,14 +211,10 @@ def auto_partition(module: nn.Module, p: int, memory_weight: float) -> Partition
         return (memory_weight * _count(sub) / total_params +
                 (1 - memory_weight) * _compute_params(sub) / total_compute)
 
-    stages = balance([cost(_child(path, i)) for i in range(len(blocks))], p,
+    stages = balance([cost(name) for name in blocks], p,
                      first_extra=sum(cost(n) for n in pre), last_extra=sum(cost(n) for n in post))
-    owners = _param_owners(module, path, stages, pre, post, p)
-    return Partition(p, path, tuple(stages), pre, post, owners, "auto")
-
-
-def _child(path: str, i: int) -> str:
-    return f"{path}.{i}" if path else str(i)
+    owners = _param_owners(module, blocks, stages, pre, post, p)
+    return Partition(p, path, tuple(stages), pre, post, owners, "auto", tuple(blocks))
 
 
 def manual_partition(module: nn.Module, p: int, *,
@@ -219,12 +234,12 @@ def manual_partition(module: nn.Module, p: int, *,
     chain = [module] + [module.get_submodule(".".join(path.split(".")[:k]))
                         for k in range(1, len(path.split(".")) + 1)] if path else [module]
     stages = []
-    for i, block in enumerate(blocks):
+    for name in blocks:
         stage = default
-        for m in chain + [block]:  # outermost first, so the innermost record wins
+        for m in chain + [module.get_submodule(name)]:  # outermost first: innermost wins
             stage = recorded(m) if recorded(m) is not None else stage
         if not 0 <= stage < p:
-            raise SMPConfigError(f"partition index ({stage}) of {_child(path, i)} must be in "
+            raise SMPConfigError(f"partition index ({stage}) of {name} must be in "
                                  f"0..{p - 1} (pipeline_parallel_degree {p})",
                                  key="default_partition", value=stage)
         stages.append(stage)
@@ -235,5 +250,5 @@ def manual_partition(module: nn.Module, p: int, *,
             f"give every stage a block (stages without one: {empty}); use smp.partition(i) "
             f"or smp.set_partition so stage indices rise along the layers",
             key="auto_partition", value=False)
-    owners = _param_owners(module, path, stages, pre, post, p)
-    return Partition(p, path, tuple(stages), pre, post, owners, "manual")
+    owners = _param_owners(module, blocks, stages, pre, post, p)
+    return Partition(p, path, tuple(stages), pre, post, owners, "manual", tuple(blocks))

@@ -2,7 +2,8 @@
 
 An action is `F3` (forward of microbatch 3), `B3` (its backward) or `O3` (receive microbatch
 3's model outputs from the last stage). Communication is implied by the action and the stage
-(`messages()` spells it out, and both the simulator and the executor use that one function):
+(`messages()` spells it out, and both the simulator and the executor, executor.py, use that one
+function):
 
 | action on stage s | receives                         | sends                               |
 |-------------------|----------------------------------|-------------------------------------|
@@ -258,7 +259,7 @@ def forward_only_schedule(p: int, m: int) -> Schedule:
 
 def switch_to_forward_only(schedule: Schedule) -> Schedule:
     """`schedule` with every B but B0 dropped: what a training step runs once microbatch 0
-    turned out to be forward-only (engine.py decides at B0).
+    turned out to be forward-only (executor.py decides at B0).
 
     Raises:
         ValueError: a stage whose first backward is not B0 (the decision point must be the
@@ -314,7 +315,8 @@ def format_grid(schedule: Schedule, *, t_f: int = 1, t_b: int = 1) -> str:
 def run_actions(actions, handlers) -> None:
     """The executor: call `handlers[action.kind](action.mb)` for each action, in order.
 
-    The pipeline engine and benchmarks/pipeline_schedule.py both execute schedules with it.
+    benchmarks/pipeline_schedule.py executes schedules with it; the pipeline's executor
+    (executor.py) is the same loop with the transfers of `messages()` around each handler.
     """
     for action in actions:
         handlers[action.kind](action.mb)

@@ -1,14 +1,16 @@
-"""Running one stage's part of the whole model's forward (used by engine.py).
+"""Running one stage's part of the whole model's forward (the model is in trace.py's doc).
 
-Every stage calls the model's own forward; the partition's blocks are patched so that on
-stage s a block of an earlier stage returns the activation received from s-1 (the output of
-s-1's last block), s's own blocks compute, and after s's last block the forward stops
-(s < p-1) with that output as the stage's activation. Modules before the blocks (embeddings)
-run under no_grad on stages > 0, so their results, replaced by the received activation, cost
-no graph. Supported model shape: the forward calls the blocks in list order, each block's
-output feeding the next (nanoGPT, HF GPT-2, smp.nn.DistributedTransformer); a residual added
-outside the blocks would mix in the later stage's own, stale, copy of the earlier modules.
-Outside `StageForward.run` the patched modules behave as before.
+Each unit (placed module) has its `forward` patched; while `StageForward.run` or a trace is in
+progress on stage s, a unit call
+- of an earlier stage returns the value received for that call from s-1 (a leaf that
+  requires grad when training, so the gradient of every use on s goes back), or zeros of the
+  right shapes for a "ghost" (an output no later stage needs);
+- of stage s computes;
+- of a later stage stops the forward (`_StageDone`); stage s then sends s+1 the outputs of
+  every call so far, values for those `trace.live[s]` names, ghosts for the rest.
+The last stage runs the forward to its end: its return value is the model's output. Outside a
+run the patched modules behave as before; a patched module's own computation stays reachable
+as `_smp_stage_inner` (activation checkpointing applied after partitioning wraps it).
 """
 
 from __future__ import annotations
@@ -18,80 +20,144 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import StepError
+from .p2p import flatten, unflatten
 from .partition import Partition
+from .trace import Trace, Tracer
 
-__all__ = ["StageForward"]
+__all__ = ["StageForward", "Ghost"]
 
 
 class _StageDone(BaseException):
-    """Unwinds the model's forward after this stage's last block (not an Exception on purpose:
-    user code that catches Exception must not swallow it)."""
-
-    def __init__(self, value):
-        super().__init__()
-        self.value = value
+    """Unwinds the model's forward at the first call of a later stage's unit (not an
+    Exception on purpose: user code that catches Exception must not swallow it)."""
 
 
-class _Context:
-    def __init__(self, received):
-        self.received = received
-        self.reached_blocks = False
+class Ghost:
+    """A unit output no later stage uses: its Python structure and tensor shapes only."""
+
+    def __init__(self, value: Any):
+        self.skeleton, tensors = flatten(value)
+        self.specs = [(tuple(t.shape), t.dtype) for t in tensors]
+
+    def materialize(self, zeros: Callable) -> Any:
+        return unflatten(self.skeleton, [zeros(shape, dtype) for shape, dtype in self.specs])
+
+
+class _Run:
+    """One microbatch's forward on this stage."""
+
+    def __init__(self, received: list | None, zeros: Callable):
+        self.received = received or []  # as sent: values and Ghosts, by call
+        self.stubs = [v.materialize(zeros) if isinstance(v, Ghost) else v
+                      for v in self.received]
+        self.outputs: dict[int, Any] = {}
+        self.next = 0
+        self.inside = False
 
 
 class StageForward:
-    """Patches `module`'s blocks (and pre-block modules) for stage `stage` of `num_stages`."""
+    """Patches the units of `partition` in `module` for stage `stage` of `num_stages`."""
 
-    def __init__(self, module: nn.Module, partition: Partition, stage: int, num_stages: int):
+    def __init__(self, module: nn.Module, partition: Partition, stage: int, num_stages: int,
+                 device: torch.device):
         self.stage, self.last = stage, num_stages - 1
-        self._ctx: _Context | None = None
-        own = [i for i, s in enumerate(partition.block_stage) if s == stage]
-        # A patched module's own computation stays reachable as `_smp_stage_inner`, so that
-        # activation checkpointing applied after partitioning wraps it, not the stage logic.
-        for i, owner in enumerate(partition.block_stage):
-            block = module.get_submodule(partition.block_name(i))
-            block._smp_stage_inner = block.forward
-            block.forward = self._block_forward(block, owner, i == own[-1])
-        if stage > 0:
-            for name in partition.pre:
-                sub = module.get_submodule(name)
-                sub._smp_stage_inner = sub.forward
-                sub.forward = self._pre_forward(sub)
+        self.device = device
+        self.trace: Trace | None = None
+        self._active: _Run | Tracer | None = None
+        self.units: dict[nn.Module, tuple[str, int]] = {}
+        for name, owner in partition.unit_stages().items():
+            unit = module.get_submodule(name)
+            self.units[unit] = (name, owner)
+            unit._smp_stage_inner = unit.forward
+            unit.forward = self._patched(unit)
+        self._zeros: dict[tuple, torch.Tensor] = {}
 
-    def run(self, forward: Callable, args, kwargs, received) -> tuple[bool, Any]:
-        """Call `forward(*args, **kwargs)` as this stage; `received` is the activation from
-        the previous stage (None on stage 0).
+    def _patched(self, unit: nn.Module):
+        def forward(*args, **kwargs):
+            active = self._active
+            if active is None:
+                return unit._smp_stage_inner(*args, **kwargs)
+            if isinstance(active, Tracer):
+                return active.call(unit, unit._smp_stage_inner, args, kwargs)
+            return self._call(active, unit, args, kwargs)
+        return forward
+
+    # ---- trace ---------------------------------------------------------------------------
+    def run_trace(self, tracer: Tracer, forward: Callable, args, kwargs) -> Trace:
+        """Trace one forward of the whole model (every stage computes every unit)."""
+        self._active = tracer
+        try:
+            with torch.no_grad():
+                out = tracer.run(forward, args, kwargs)
+        finally:
+            self._active = None
+        self.trace = tracer.result(out)
+        return self.trace
+
+    # ---- run -------------------------------------------------------------------------------
+    def _zero(self, shape, dtype) -> torch.Tensor:
+        key = (shape, dtype)
+        if key not in self._zeros:  # one per shape: ghost values are never used
+            self._zeros[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return self._zeros[key]
+
+    def _call(self, run: _Run, unit: nn.Module, args, kwargs):
+        if run.inside:
+            return unit._smp_stage_inner(*args, **kwargs)
+        name, owner = self.units[unit]
+        calls = self.trace.calls
+        i = run.next
+        if i >= len(calls) or calls[i].name != name:
+            expected = calls[i].name if i < len(calls) else "no further unit"
+            raise StepError(f"the model's forward called '{name}' as its unit call {i}, where "
+                            f"the first step's trace had {expected!r}; with "
+                            f"pipeline_parallel_degree > 1 the forward must call the placed "
+                            f"modules in the same order every step")
+        if owner > self.stage:
+            raise _StageDone()
+        run.next += 1
+        if owner < self.stage:
+            return run.stubs[i]
+        run.inside = True
+        try:
+            out = unit._smp_stage_inner(*args, **kwargs)
+        finally:
+            run.inside = False
+        run.outputs[i] = out
+        return out
+
+    def run(self, forward: Callable, args, kwargs, received: list | None) -> tuple[bool, Any]:
+        """Call `forward(*args, **kwargs)` as this stage; `received` is what s-1 sent.
 
         Returns:
-            (True, the model's outputs) on the last stage, else (False, this stage's
-            activation for the next one).
+            (True, the model's outputs) on the last stage, else (False, the list to send on).
         """
-        self._ctx = _Context(received)
+        run = _Run(received, self._zero)
+        if len(run.received) != (self.trace.cuts[self.stage - 1] if self.stage else 0):
+            raise StepError(f"stage {self.stage} received {len(run.received)} unit outputs "
+                            f"from the previous stage; the trace expects "
+                            f"{self.trace.cuts[self.stage - 1]}")
+        self._active = run
         try:
-            return True, forward(*args, **kwargs)
-        except _StageDone as done:
-            return False, done.value
+            out = forward(*args, **kwargs)
+        except _StageDone:
+            return False, self._send_on(run)
         finally:
-            self._ctx = None
+            self._active = None
+        if self.stage < self.last or run.next != len(self.trace.calls):
+            raise StepError(f"the model's forward returned after {run.next} of the "
+                            f"{len(self.trace.calls)} unit calls of the first step's trace "
+                            f"(stage {self.stage}); it must call the same modules every step")
+        return True, out
 
-    def _block_forward(self, block: nn.Module, owner: int, ends_stage: bool):
-        def forward(*args, **kwargs):
-            ctx = self._ctx
-            if ctx is None:
-                return block._smp_stage_inner(*args, **kwargs)
-            ctx.reached_blocks = True
-            if owner < self.stage:
-                return ctx.received
-            out = block._smp_stage_inner(*args, **kwargs)
-            if ends_stage and self.stage < self.last:
-                raise _StageDone(out)
-            return out
-        return forward
-
-    def _pre_forward(self, sub: nn.Module):
-        def forward(*args, **kwargs):
-            ctx = self._ctx
-            if ctx is not None and not ctx.reached_blocks:
-                with torch.no_grad():
-                    return sub._smp_stage_inner(*args, **kwargs)
-            return sub._smp_stage_inner(*args, **kwargs)
-        return forward
+    def _send_on(self, run: _Run) -> list:
+        live = self.trace.live[self.stage]
+        sent = []
+        for i in range(self.trace.cuts[self.stage]):
+            value = run.outputs[i] if i in run.outputs else run.received[i]
+            if i in live or isinstance(value, Ghost):
+                sent.append(value)
+            else:
+                sent.append(Ghost(value))
+        return sent

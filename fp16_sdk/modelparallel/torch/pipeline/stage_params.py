@@ -1,13 +1,11 @@
 """Which parameters a pipeline stage holds, and freeing the rest.
 
 After partitioning, stage s keeps:
-- the parameters and buffers of its own blocks (and of `post` on the last stage);
-- the `pre` modules (embeddings) on every stage: on stages > 0 they run under no_grad only so
-  the model's forward reaches the blocks (their result is replaced by the received
-  activation), which needs real weights of the right shapes;
-- the module tree's own parameters (ancestors of the blocks; stage 0's, rare);
-- tied parameters held by this stage (below).
-Everything else (other stages' blocks, `post` on stages but the last) is freed: its `.data`
+- the parameters and buffers of its own units (pre on stage 0, its blocks, post on the last);
+- the module tree's own parameters and buffers (the parent modules', whose forward runs on
+  every stage);
+- tied parameters held by this stage (below), and buffers the trace saw used on it.
+Everything else (other stages' units) is freed: its `.data`
 becomes a 0-element tensor of the same dtype and device, the full shape kept in
 `_smp_full_shape`. Names stay, so `model.parameters()` still lists the whole model (an
 optimizer built from it steps empty tensors for free) and `state_dict()` gathers the real
@@ -19,7 +17,9 @@ Tied parameters: one parameter used on several stages. Found two ways:
 - declared: a module can list, in `_smp_pipeline_tied`, qualified names of parameters of
   `pre` modules that its forward uses after the blocks (the LM head of
   `DistributedTransformerLMHead` multiplies by the word embedding's weight directly, with no
-  module call); that model is recognised by its `add_lm_head` flag as well.
+  module call); that model is recognised by its `add_lm_head` flag as well;
+- traced: the first step's trace (trace.py) saw the parameter used on other stages (by the
+  parent modules' code, which runs on every stage, or inside another stage's unit).
 A tied parameter records the stages holding it in `_smp_held_stages` (it is local on each of
 them, so each stage's data-parallel reducer averages its gradient) and is
 `_smp_tied_duplicate = True` on all of them but the first (counted once in norms). The
@@ -83,9 +83,10 @@ def _declared(module: nn.Module, part: Partition) -> dict[str, set[int]]:
     return {n: {last} for n in names}
 
 
-def find_tied(module: nn.Module, part: Partition, stage: int) -> list[TiedParam]:
+def find_tied(module: nn.Module, part: Partition, stage: int,
+              traced: dict[str, frozenset[int]] | None = None) -> list[TiedParam]:
     """Tied parameters (module docstring), by name; marks `_smp_held_stages` and
-    `_smp_tied_duplicate` (this stage)."""
+    `_smp_tied_duplicate` (this stage). `traced`: name -> stages using it (trace.py)."""
     stages: dict[int, set[int]] = {}
     names: dict[int, tuple[str, nn.Parameter]] = {}
     for mname, sub in module.named_modules(remove_duplicate=False):
@@ -94,9 +95,9 @@ def find_tied(module: nn.Module, part: Partition, stage: int) -> list[TiedParam]
                 stages.setdefault(id(p), set()).add(sub._smp_partition)
                 names.setdefault(id(p), (f"{mname}.{pname}" if mname else pname, p))
     by_name = {name: key for key, (name, _) in names.items()}
-    for name, extra in _declared(module, part).items():
+    for name, extra in list(_declared(module, part).items()) + list((traced or {}).items()):
         if name in by_name:
-            stages[by_name[name]] |= extra
+            stages[by_name[name]] |= set(extra)
     tied = []
     for key, held in stages.items():
         if len(held) < 2:
@@ -109,12 +110,12 @@ def find_tied(module: nn.Module, part: Partition, stage: int) -> list[TiedParam]
     return sorted(tied, key=lambda t: t.name)
 
 
-def _kept_ids(module: nn.Module, part: Partition, stage: int) -> set[int]:
+def _kept_ids(module: nn.Module, part: Partition, stage: int,
+              traced: dict[str, frozenset[int]]) -> set[int]:
     kept: set[int] = set()
-    owned = [part.block_name(i) for i, s in enumerate(part.block_stage) if s == stage]
-    owned += list(part.pre)
-    if stage == part.num_stages - 1:
-        owned += list(part.post)
+    owned = [name for name, s in part.unit_stages().items() if s == stage]
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    kept.update(id(tensors[n]) for n, stages in traced.items() if stage in stages and n in tensors)
     for name in owned:
         sub = module.get_submodule(name)
         kept.update(id(t) for t in list(sub.parameters()) + list(sub.buffers()))
@@ -132,13 +133,14 @@ def _placed_names(part: Partition) -> list[str]:
         list(part.post)
 
 
-def release_other_stages(module: nn.Module, part: Partition, stage: int) -> int:
+def release_other_stages(module: nn.Module, part: Partition, stage: int,
+                         traced: dict[str, frozenset[int]] | None = None) -> int:
     """Free the parameters and buffers this stage does not hold (module docstring).
 
     Returns:
         The number of elements freed.
     """
-    kept = _kept_ids(module, part, stage)
+    kept = _kept_ids(module, part, stage, traced or {})
     freed, seen = 0, set()
     with torch.no_grad():
         for name in _placed_names(part):

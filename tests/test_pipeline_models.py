@@ -1,0 +1,281 @@
+"""pp=2 on models that are not one main ModuleList, through the smp API on real Gloo ranks.
+
+Each case trains the same model single-process (the reference, same seed) and compares the
+loss of every microbatch and every parameter's gradient after the step (each stage's local
+ones, tied copies on both) at 1e-5. Inputs are given on pipeline rank 0 only: rank 1 passes
+None or tensors of other shapes. Partitions set with smp.set_partition after wrapping (and
+after building the optimizer) must be the ones used.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mp_utils import run_ranks
+
+MB, BATCH = 2, 4
+
+
+class _MLP(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class ResidualNet(nn.Module):
+    """No ModuleList; residuals, a root parameter and a skip added in the parent's forward."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.embed = nn.Linear(5, width)
+        self.block1 = _MLP(width)
+        self.block2 = _MLP(width)
+        self.head = nn.Linear(width, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x, target):
+        h = torch.relu(self.embed(x))
+        h = h + self.block1(h)                    # residual outside its block
+        h = h + self.block2(h) * self.scale       # the root's own parameter, on stage 1
+        out = self.head(h) + h.sum(-1, keepdim=True)
+        return F.mse_loss(out, target)
+
+
+class MnistNet(nn.Module):
+    """The shape of AWS's MNIST example's Net: conv/linear children, functional ops between."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, 1)
+        self.conv2 = nn.Conv2d(4, 8, 3, 1)
+        self.fc1 = nn.Linear(8 * 4 * 4, 16)
+        self.fc2 = nn.Linear(16, 10)
+
+    def forward(self, x, target):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        return F.nll_loss(F.log_softmax(self.fc2(x), dim=1), target)
+
+
+class ReusedNet(nn.Module):
+    """`a` runs before and after `b`: with a and b on different stages it cannot be split."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(self.b(self.a(x))).sum()
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=40, n_positions=16, n_embd=8, n_layer=4, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _data(kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gpt2":
+        ids = torch.randint(0, 40, (BATCH, 6), generator=g)
+        return {"input_ids": ids, "labels": ids}
+    if kind == "mnist":
+        return {"x": torch.randn(BATCH, 1, 12, 12, generator=g),
+                "target": torch.randint(0, 10, (BATCH,), generator=g)}
+    return {"x": torch.randn(BATCH, 5, generator=g), "target": torch.randn(BATCH, 3, generator=g)}
+
+
+def _build(kind):
+    return {"gpt2": _gpt2, "mnist": MnistNet, "residual": ResidualNet}[kind]()
+
+
+def _loss(out):
+    return out.loss if hasattr(out, "loss") else out
+
+
+def _reference(kind, steps, lr):
+    torch.manual_seed(0)
+    model = _build(kind)
+    losses, grads = [], []
+    for step in range(steps):
+        model.zero_grad()
+        data = _data(kind, step)
+        mb = [dict(zip(data, vals)) for vals in zip(*(v.chunk(MB) for v in data.values()))]
+        step_losses = []
+        for inputs in mb:
+            loss = _loss(model(**inputs))
+            (loss / MB).backward()  # smp averages gradients over microbatches
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return losses, grads
+
+
+def _case(rank, world, kind, steps, lr, assignment):
+    import smdistributed.modelparallel.torch as smp
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MB, "pipeline": "interleaved",
+              "auto_partition": assignment is None, "default_partition": 0})
+    torch.manual_seed(0)
+    module = _build(kind)
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+    if assignment is not None:  # after wrapping and after the optimizer, as AWS's GPT-2 script
+        for name, stage in assignment.items():
+            smp.set_partition(module.get_submodule(name), stage)
+
+    @smp.step
+    def train(model, inputs):
+        loss = _loss(model(**inputs))
+        model.backward(loss)
+        return loss
+
+    losses, grads = [], []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        data = _data(kind, step)
+        if smp.pp_rank() != 0:  # placeholders: None, then tensors of other shapes
+            data = {k: (None if step == 0 else torch.zeros(2 * MB, 7)) for k in data}
+        losses.append([float(x) for x in train(model, data).outputs])
+        grads.append({n: p.grad.clone() for n, p in model.local_named_parameters()
+                      if p.grad is not None})
+        optimizer.step()
+    stages = {n: m._smp_partition for n, m in module.named_modules()}
+    return {"losses": losses, "grads": grads, "stages": stages,
+            "local": sorted(n for n, _ in model.local_named_parameters())}
+
+
+def _check(kind, assignment=None, steps=2, lr=0.1):
+    ref_losses, ref_grads = _reference(kind, steps, lr)
+    results = run_ranks(_case, 2, kind, steps, lr, assignment, timeout=300)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=1e-6)
+    for step in range(steps):
+        seen = set()
+        for r in results:
+            for name, grad in r["grads"][step].items():
+                torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6,
+                                           msg=f"{kind} step {step} {name}")
+                seen.add(name)
+        assert seen == set(ref_grads[step])
+    return results
+
+
+def test_hf_gpt2_pp2_set_partition_after_wrapping_inputs_on_rank0_only():
+    layers = {f"transformer.h.{i}": (0 if i < 3 else 1) for i in range(4)}  # auto gives 2 + 2
+    results = _check("gpt2", layers)
+    for r in results:
+        assert [r["stages"][f"transformer.h.{i}"] for i in range(4)] == [0, 0, 0, 1]
+    assert any(n.startswith("transformer.h.3.") for n in results[1]["local"])
+    assert not any(n.startswith("transformer.h.3.") for n in results[0]["local"])
+
+
+def test_model_without_modulelist_and_residual_outside_its_blocks():
+    results = _check("residual", {"embed": 0, "block1": 1, "block2": 1, "head": 1})
+    assert results[0]["stages"]["block1"] == 1  # set after wrapping: auto would differ
+    assert "scale" in results[0]["local"] and "scale" in results[1]["local"]  # summed
+
+
+def test_aws_mnist_net_shape_partitions_automatically():
+    results = _check("mnist")
+    assert {results[0]["stages"][n] for n in ("conv1", "conv2", "fc1", "fc2")} == {0, 1}
+
+
+def _refused(rank, world):
+    import smdistributed.modelparallel.torch as smp
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1})
+    model = smp.DistributedModel(ReusedNet())
+
+    @smp.step
+    def run(model, x):
+        loss = model(x)
+        model.backward(loss)
+        return loss
+
+    try:
+        run(model, torch.ones(2, 4))
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_model_that_cannot_be_split_is_refused_naming_the_module():
+    for message in run_ranks(_refused, 2, timeout=120):
+        assert message is not None and "PartitionRefused" in message, message
+        assert "module 'a' (pipeline stage 0) is called after 'b' (stage 1)" in message
+
+
+class _Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:  # the second step's first microbatch, on stage 1 only
+            raise ValueError("boom in stage 1")
+        return self.fc(x)
+
+
+def _failing(rank, world):
+    import smdistributed.modelparallel.torch as smp
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1})
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(4, 4), _Boom()))
+
+    @smp.step
+    def run(model, x):
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    run(model, torch.ones(2, 4))
+    start = time.monotonic()
+    try:
+        run(model, torch.ones(2, 4))
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_stage_that_raises_ends_every_rank_with_its_error():
+    results = run_ranks(_failing, 2, timeout=120)
+    (own, _), (aborted, seconds) = results[1], results[0]
+    assert own == "ValueError: boom in stage 1"
+    assert aborted.startswith("PipelineAborted: pipeline stage 1 (global rank 1) failed: "
+                              "ValueError: boom in stage 1"), aborted
+    assert seconds < 30
+
+
+def _many_tensors(rank, world):
+    import torch.distributed as dist
+    from fp16_sdk.modelparallel.torch.pipeline.p2p import TensorChannel
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    channel = TensorChannel(None, torch.device("cpu"))
+    value = {f"layer{i}": (torch.full((1, 2, 3, 4), float(i)), None) for i in range(60)}
+    if rank == 0:  # 60 tensors of 4 dims: 2 + 60 * 6 header words, more than the fixed 256
+        channel.send(value, 1)
+        channel.flush()
+        return None
+    got = channel.recv(0)
+    return all(torch.equal(got[k][0], v[0]) and got[k][1] is None for k, v in value.items())
+
+
+def test_a_message_with_a_long_header_crosses_stages():
+    assert run_ranks(_many_tensors, 2, timeout=120)[1] is True
