@@ -7,9 +7,10 @@
   run fails (exit status 1) even when every test passed.
 
 "What the session started": new processes (pid and start time not in the first snapshot) that
-descend from this pytest process, carry the marker, or run from this checkout or the session's
-temporary folder (command line or working directory: a test that builds its environment from
-scratch loses the marker). Not counted: multiprocessing's resource tracker and forkserver, which
+descend from this pytest process, carry the marker, run a file of this checkout's tests/ or
+fp16_sdk/, or run in or from the session's temporary folder (a test that builds its environment
+from scratch loses the marker). A process that merely has the checkout as its working directory
+(a developer's shell) is not counted. Not counted: multiprocessing's resource tracker and forkserver, which
 exit when this process does (they watch a pipe from it). Containers and networks: the ones
 labelled `fp16_sdk.job` that were not there at the start (one test session per Docker engine,
 as in CI; without a reachable engine that part is skipped, the Docker tests say why).
@@ -52,7 +53,10 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
 
 
 def _mentions(proc: Proc, roots: tuple[str, ...]) -> bool:
-    return _under(proc.cwd, roots) or any(_under(word, roots) for word in proc.cmdline.split())
+    """Runs in the session's temporary folder, or runs a file of it or of this checkout's tests /
+    package (a process merely sitting in the checkout, a developer's shell, is not counted)."""
+    tmp = roots[-1:]
+    return _under(proc.cwd, tmp) or any(_under(word, roots) for word in proc.cmdline.split())
 
 
 def _session_processes(session: pytest.Session) -> list[Proc]:
@@ -94,7 +98,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.stash[_MARKER] = f"{SESSION_VAR}={token}".encode()
     session.stash[_BASELINE] = {p.key for p in scan()}
     basetemp = session.config._tmp_path_factory.getbasetemp()  # pytest's tmp_path root
-    session.stash[_ROOTS] = (str(_REPO), str(basetemp.resolve()))
+    session.stash[_ROOTS] = (str(_REPO / "tests"), str(_REPO / "fp16_sdk"),
+                             str(basetemp.resolve()))
     client = _docker_client()
     session.stash[_DOCKER] = (client, set(_docker_resources(client)) if client else set())
 
