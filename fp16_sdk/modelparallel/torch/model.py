@@ -177,6 +177,24 @@ class DistributedModel(nn.Module):
                            overlap=self.overlapping_allreduce,
                            gradient_as_bucket_view=self.gradient_as_bucket_view)
 
+    def _release_from_reducer(self, params) -> dict[int, ReductionGroup]:
+        """Stop reducing `params` (shard_optimizer_state reduce-scatters them itself).
+
+        Returns:
+            id(param) -> the ReductionGroup (process group, size, divisor) it was reduced in.
+        """
+        ids = {id(p) for p in params}
+        groups = list({id(b.group): b.group for b in self._reducer.buckets}.values())
+        found = {id(p): g for g in groups for p in g.params if id(p) in ids}
+        kept = [ReductionGroup(g.name, [p for p in g.params if id(p) not in ids],
+                               g.process_group, g.size, g.divisor) for g in groups]
+        self._reducer.remove()
+        self._reducer = GradReducer([g for g in kept if g.params],
+                                    bucket_cap_mb=self.bucket_cap_mb,
+                                    overlap=self.overlapping_allreduce,
+                                    gradient_as_bucket_view=self.gradient_as_bucket_view)
+        return found
+
     # ---- step protocol (called by smp.step) -------------------------------------------------
     def _pre_step(self) -> None:
         if not self.partitioned:

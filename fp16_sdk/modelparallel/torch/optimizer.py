@@ -74,7 +74,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                    dynamic_loss_args, flat_loss_args)
         self._masters = None
         self._fused: FusedStepper | None = None
-        if self.fp16 or self.bf16:
+        if _shard_optimizer_state():  # ZeRO-1 over RDP, any precision: sharded_optimizer.py
+            from .sharded_optimizer import ShardedMasters
+            self._masters = ShardedMasters(optimizer, counts=_counts_in_norm)
+        elif self.fp16 or self.bf16:
             kind = fused_kind(optimizer)
             self._fused = FusedStepper(kind, optimizer) if kind else None
             self._masters = MasterParams(optimizer.param_groups, counts=_counts_in_norm,
@@ -102,7 +105,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def mixed_precision(self) -> bool:
-        return self._masters is not None
+        return self.fp16 or self.bf16
 
     def _share_inner(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -221,7 +224,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             dist.all_reduce(pair, op=op, group=group)
         found_v, counted_v = pair.tolist()  # the step's host sync
-        overflow = found_v > 0 and self._masters is not None
+        overflow = found_v > 0 and self.mixed_precision
         norm = counted_v if math.isinf(norm_type) else counted_v ** (1.0 / norm_type)
         if not self._unscaled:
             norm = norm / self.loss_scale
@@ -302,8 +305,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "steps": self.steps,
             "_smp_is_partial": True,
         }
-        if self._masters is not None:
+        if self.mixed_precision:
             out["fp32_from_fp16_params"] = self._masters.master_tensors()
+        if _shard_optimizer_state():
+            out["sharded_layout"] = self._masters.layout()
         return out
 
     def state_dict(self) -> dict:
@@ -324,6 +329,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = state_dict
         if "mp_rank_states" in sd:
             sd = sd["mp_rank_states"][state.topology.mp_rank(state.rank)]
+        if _shard_optimizer_state():
+            from .sharded_optimizer import check_layout, reshard_state
+            if "_smp_reshard" in sd:  # every saved rdp rank's state (checkpointing.py)
+                sd = reshard_state(sd["_smp_reshard"], self._masters)
+            check_layout(sd, self._masters)
         inner = sd.get("optimizer_state_dict", sd)
         self.optimizer.load_state_dict(inner)
         self._share_inner()  # torch's load replaces the param_groups list
@@ -368,6 +378,10 @@ def _counts_in_norm(p) -> bool:
         return True
     topo = state.topology
     return topo is None or topo.tp_rank(state.rank) == 0
+
+
+def _shard_optimizer_state() -> bool:
+    return bool(state.cfg.shard_optimizer_state)
 
 
 def _reduction_group():
