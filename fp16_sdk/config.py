@@ -84,11 +84,12 @@ class SMPParameters(_Strict):
         None, ge=1, description="Most microbatches in flight in the pipeline; default pp + 2.")
     deterministic_server: bool = Field(False, description="Deterministic pipeline execution.")
     offload_activations: bool = Field(
-        False, description="Offload checkpointed activations to CPU. Not implemented: True is "
-                           "refused (keep False; activation checkpointing works without it).")
+        False, description="Keep the inputs of checkpointed modules (smp.set_activation_"
+                           "checkpointing) in host memory (pinned on CUDA) between forward and "
+                           "backward; no effect on modules that are not checkpointed.")
     activation_loading_horizon: int = Field(
-        4, gt=0, description="Activations loaded ahead when offloading (used only with "
-                             "offload_activations).")
+        4, gt=0, description="With offload_activations: how many checkpointed modules ahead "
+                             "backward starts copying inputs back to the device (side stream).")
     static_mode: bool = Field(
         False, description="smp: replay one recorded pipeline execution order every step. "
                            "This runtime always builds the schedule once and replays it each "
@@ -175,10 +176,6 @@ class SMPParameters(_Strict):
                 f"sharded_data_parallel_degree={self.sharded_data_parallel_degree}: sharded data "
                 f"parallelism is not implemented in this runtime; set it to 1 (for optimizer-state "
                 f"sharding use \"shard_optimizer_state\": True with \"ddp\": True)")
-        if self.offload_activations:
-            raise ValueError("offload_activations=True: activation offloading is not "
-                             "implemented in this runtime; set \"offload_activations\": False "
-                             "(activation checkpointing works without it)")
         if self.horovod:
             warnings.warn("smp parameter horovod is TensorFlow only; ignored", stacklevel=2)
         # Resolve the defaults that depend on other keys (the object is frozen: bypass once).
