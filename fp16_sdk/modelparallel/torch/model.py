@@ -100,6 +100,8 @@ class DistributedModel(nn.Module):
             raise SMPConfigError(f"bucket_cap_mb ({bucket_cap_mb!r}) must be > 0",
                                  key="bucket_cap_mb", value=bucket_cap_mb)
         super().__init__()
+        from .delayed_init import materialize
+        materialize(module)  # delayed_parameter_initialization: this stage's share, initialised
         if state.topology.tp > 1:
             module = _distribute_tp(module)
         from .activation_checkpointing import apply_recorded

@@ -7,7 +7,8 @@ Fields (docs/internals.md "Runtime state"):
 - rank, local_rank, local_size: this process' place in the world and on its host.
 - model / optimizer: the one DistributedModel / DistributedOptimizer.
 - creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
-  PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used.
+  PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used;
+  delayed_init_report: the parameter memory delayed initialization materialised.
 - in_step, microbatch (index inside the running step, else None; per thread, because with
   pp > 1 the pipeline runs each microbatch's step body in a thread of its own),
   num_microbatches, step_count (completed steps).
@@ -46,6 +47,7 @@ class RuntimeState:
         self.pending_resume: Any = None  # resume_from_checkpoint called before the model existed
         self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self.creation_dtype: Any = None
+        self.delayed_init_report: dict | None = None  # parameter bytes it materialised
         self.in_step = False
         self._thread = threading.local()  # microbatch, per thread
         self.step_count = 0

@@ -109,13 +109,17 @@ class PipelineEngine:
         self.module: nn.Module = model.module
         self.module.to(s.device)
         self.channel = TensorChannel(s.group, s.device)
-        if s.auto_partition:
-            self.partition: Partition = auto_partition(self.module, s.num_stages, s.memory_weight)
+        planned = self.module.__dict__.pop("_smp_delayed_partition", None)  # delayed_init.py
+        if planned is not None:  # computed from the full shapes before materialising
+            self.partition: Partition = planned
+        elif s.auto_partition:
+            self.partition = auto_partition(self.module, s.num_stages, s.memory_weight)
         else:
             self.partition = manual_partition(self.module, s.num_stages,
                                               recorded=s.recorded, default=s.default_partition)
         mark_stages(self.module, self.partition)
-        broadcast_from(self.module, s.pp_ranks[0], s.group)  # tied copies start equal
+        if planned is None:  # delayed init: each stage initialised from stage 0's RNG already
+            broadcast_from(self.module, s.pp_ranks[0], s.group)  # tied copies start equal
         self._tied = find_tied(self.module, self.partition, self.stage)
         self.freed_numel = release_other_stages(self.module, self.partition, self.stage)
         self._stage_forward = StageForward(self.module, self.partition, self.stage,
