@@ -107,13 +107,20 @@ class SMPParameters(_Strict):
     fp16: bool = Field(False, description="FP16 training: FP16_Module and the FP16 optimizer.")
     bf16: bool = Field(False, description="BF16 training (no loss scaling); exclusive with fp16.")
     fp16_params: bool = Field(False, description="Initialise distributed modules in fp16.")
-    shard_optimizer_state: bool = Field(False, description="Shard optimizer state over the "
-                                                           "data-parallel ranks.")
+    shard_optimizer_state: bool = Field(
+        False, description="Split the fp32 master weights and the optimizer state over the "
+                           "reduced data-parallel ranks (1/rdp each; gradients "
+                           "reduce-scattered, weights all-gathered). Needs an elementwise "
+                           "torch optimizer (SGD, Adam, AdamW, ...); checkpoints are per rank "
+                           "and load into another rdp.")
     prescaled_batch: bool = Field(
         False, description="TP ranks of one RDP group read the same batch (sharded by rdp_rank).")
     skip_tracing: bool = Field(False, description="Skip the tracing step before partitioning.")
     delayed_parameter_initialization: bool = Field(
-        False, description="Create parameters lazily, after partitioning.")
+        False, description="Modules created in smp.model_creation get meta parameters; at "
+                           "DistributedModel each rank materialises and initialises only its "
+                           "pipeline stage's (same values as eager creation with the same "
+                           "seed). Not with tensor_parallel_degree > 1.")
     sharded_data_parallel_degree: int = Field(
         1, ge=1, description="Sharded data parallelism degree (MiCS/ZeRO-3 style sharding of "
                              "parameters, gradients and optimizer state). Not implemented: only "

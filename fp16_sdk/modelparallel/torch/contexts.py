@@ -188,7 +188,8 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     Before smp.DistributedModel the request is recorded and applied at wrap time; after it,
     at once. Containers: strategy "each" checkpoints every child; on an nn.Sequential
     "group_N" / "contiguous" checkpoint N / all consecutive children of one pipeline stage
-    together (activation_checkpointing.py).
+    together (activation_checkpointing.py). With `offload_activations` the inputs each
+    checkpoint keeps wait in host memory until backward (activation_offload.py).
 
     Raises:
         SMPConfigError: unknown strategy, or a grouping strategy for a non-Sequential module.

@@ -1,31 +1,35 @@
 """Delayed parameter initialization: parameters on the meta device until the rank's share is known.
 
-Creation (`smp.delay_param_initialization()`, or `smp.model_creation(...)` with the config's
-`delayed_parameter_initialization: true`): while the context is open, every parameter a
-module registers is replaced by a meta tensor of the same shape, dtype and attributes, so no
-rank holds the model's weights (one parameter exists at a time while its module's __init__
-runs). Buffers stay real: they are small and often computed in __init__ (causal masks,
-position ids), which meta would lose. The RNG state when the outermost context opened is
-kept.
+Creation (`smp.delay_param_initialization()`, or `smp.model_creation(...)` with
+`delayed_param_initialization=True` or the config's `delayed_parameter_initialization`):
+while the context is open, a parameter a module registers stays real only while that
+module's own __init__ can still initialise it, and goes to the meta device as soon as
+another module registers one; so one module's parameters exist at a time, and the RNG
+advances exactly as in eager creation (a transformers `post_init()` runs on meta parameters
+with its random fills drawn on scratch tensors, `_RandomOnMeta`). Each module keeps the RNG
+state it started from (`_smp_delayed_rng`, ~5 KB), each HF post_init its own. Buffers stay
+real: they are small and often computed in __init__ (causal masks, position ids).
 
-Materialisation (`materialize(module)`, DistributedModel wrap time, after tensor-parallel
-replacement): the pipeline partition is computed from the meta shapes (the same function and
-settings as the engine, which then uses this very partition); then every module owning
-meta parameters, in registration order, is allocated on the CPU and initialised by its own
-init, replaying the creation-time RNG:
+Materialisation (`materialize(module)`, DistributedModel wrap time): the pipeline partition
+is computed from the meta shapes (the engine's function and settings; the engine then uses
+this partition), stage 0's RNG snapshots are broadcast over the pipeline group (eager
+creation broadcasts stage 0's weights), and every module owning meta parameters, in
+registration order, is allocated on the CPU and initialised by its own init from its
+snapshot:
 
     reset_parameters() / _reset_parameters()   torch modules (Linear, Embedding, LayerNorm, ...)
-    then, for a transformers PreTrainedModel root, its _initialize_weights over the tree in
-    apply() order                               (what post_init() would have done)
+    each post_init() that ran, in order         transformers models: _initialize_weights over
+                                                the model's tree, children first, as eager
 
-A module of another pipeline stage is initialised the same way (so the RNG advances exactly
-as in eager creation) and freed at once, so the host holds this stage's parameters plus one
-module's at most: peak ~ 1/pp of the model. With the same seed the values equal eager
-creation's when each parameter-owning module initialises itself in reset_parameters (torch's
-modules, HF models) and modules are registered in the order they were created. A module with
-meta parameters and no such init (e.g. `nn.Parameter(torch.randn(n))` in a custom __init__)
-cannot be reproduced: it is an error naming the module. The RNG state the script had at wrap
-time is restored afterwards (eager creation would have advanced it by the inits).
+A block (or the head) of another stage is allocated while its modules initialise and freed
+right after, so the host holds this stage's parameters plus one block: ~1/pp of the model.
+A tied parameter keeps the init of the module that registered it first. With the same seed
+the values equal eager creation's wherever each parameter-owning module initialises its
+parameters in reset_parameters (torch's modules) or the model is a transformers
+PreTrainedModel; a module with meta parameters and neither (e.g. `nn.Parameter(torch.randn
+(n))` in a plain module's __init__) cannot be reproduced and is an error naming it. Random
+buffers are not broadcast between stages (eager creation broadcasts stage 0's): use the same
+seed on every rank. The script's RNG state at wrap time is restored afterwards.
 
 Not implemented: tensor parallelism (tensor_parallel_degree > 1) with delayed
 initialization is refused (its shards are sliced from whole weights at wrap time).

@@ -16,6 +16,7 @@ placeholders, so it holds and steps only the local part, and nothing it copied g
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 
 import torch
@@ -101,7 +102,9 @@ class DistributedModel(nn.Module):
                                  key="bucket_cap_mb", value=bucket_cap_mb)
         super().__init__()
         from .delayed_init import materialize
-        materialize(module)  # delayed_parameter_initialization: this stage's share, initialised
+        if materialize(module) is not None and state.rank == 0:  # delayed init: stage's share
+            from .memory_report import wrap_line
+            logging.getLogger("smp").info(wrap_line())
         if state.topology.tp > 1:
             module = _distribute_tp(module)
         from .activation_checkpointing import apply_recorded

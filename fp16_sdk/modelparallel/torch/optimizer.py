@@ -24,6 +24,7 @@ back: the step's single host sync. Then one of two paths:
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -44,7 +45,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     It is a `torch.optim.Optimizer` sharing `param_groups` and `state` with the inner
     optimizer, so LR schedulers accept it in every mode. With `fp16` (or `bf16`) in the smp
     config, the inner optimizer's param groups are rewritten to hold fp32 masters of the
-    half parameters; fp32 parameters are stepped as they are.
+    half parameters; fp32 parameters are stepped as they are. With `shard_optimizer_state`
+    the masters and the optimizer state are slices over the reduced data-parallel group
+    (sharded_optimizer.py); the optimizer must be elementwise (SGD, Adam, AdamW, ...).
 
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.
@@ -75,8 +78,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._masters = None
         self._fused: FusedStepper | None = None
         if _shard_optimizer_state():  # ZeRO-1 over RDP, any precision: sharded_optimizer.py
+            from .memory_report import optimizer_line
             from .sharded_optimizer import ShardedMasters
             self._masters = ShardedMasters(optimizer, counts=_counts_in_norm)
+            if state.rank == 0:
+                logging.getLogger("smp").info(optimizer_line(self))
         elif self.fp16 or self.bf16:
             kind = fused_kind(optimizer)
             self._fused = FusedStepper(kind, optimizer) if kind else None
