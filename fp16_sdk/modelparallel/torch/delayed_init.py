@@ -170,8 +170,9 @@ def _plan(root: nn.Module):
     return part, _kept_ids(root, part, s.stage)
 
 
-def _replace_meta(root: nn.Module) -> list[nn.Parameter]:
-    """Swap every meta parameter for a 0-element CPU one (full shape in `_smp_full_shape`),
+def _replace_meta(root: nn.Module) -> dict[int, nn.Parameter]:
+    """Swap every meta parameter for a 0-element CPU one (full shape in `_smp_full_shape`);
+    returns id(meta parameter) -> its replacement,
     the same object wherever it is registered (tied weights stay tied)."""
     real: dict[int, nn.Parameter] = {}
     for m in root.modules():
@@ -235,8 +236,8 @@ def materialize(root: nn.Module) -> dict | None:
         _agree_rng_snapshots(root)
     swapped = _replace_meta(root)
     params = list(swapped.values())
-    if kept is not None:  # the ids the plan kept, translated to the swapped parameters
-        kept = kept | {id(new) for old, new in swapped.items() if old in kept}
+    if kept is not None:  # translated: the swapped meta parameters' ids are free for reuse
+        kept = {id(swapped[i]) if i in swapped else i for i in kept}
     units = _transient_units(root, part, kept)
     in_unit = {id(p) for ps in units.values() for p in ps}
     report = {"model_bytes": sum(_numel(p) * p.element_size() for p in params)}
