@@ -63,11 +63,12 @@ def _state_bytes(opt) -> int:
     return total
 
 
-def _train(rank, world, sharded, fp16, poison_rank=-1, steps=3):
+def _train(rank, world, sharded, fp16, poison_rank=-1, steps=3, tp=1):
     torch.cuda.is_available = lambda: False
-    smp.init({"ddp": True, "fp16": fp16, "shard_optimizer_state": sharded})
+    smp.init({"ddp": True, "fp16": fp16, "shard_optimizer_state": sharded,
+              "tensor_parallel_degree": tp})
     torch.manual_seed(0)
-    with smp.model_creation(dtype=torch.float16 if fp16 else None):
+    with smp.model_creation(tensor_parallelism=tp > 1, dtype=torch.float16 if fp16 else None):
         model = smp.DistributedModel(TinyGPT())
     # eps 1e-4: the attention's key bias has an exactly-zero true gradient, whose rounding
     # noise (~1e-10) Adam with eps 1e-8 would turn into lr-sized steps in either run.
@@ -106,6 +107,20 @@ def test_fp32_sharded_matches_unsharded():
         for name in rw:
             torch.testing.assert_close(gw[name], rw[name], rtol=1e-5, atol=1e-6)
     assert all(torch.equal(got[0][1][n], got[1][1][n]) for n in got[0][1])  # replicas equal
+
+
+def test_tp2_sharded_matches_unsharded():
+    """tp=2, rdp=1: replicated parameters' slices are summed over TP after the scatter."""
+    ref = run_ranks(_train, 2, False, False, -1, 3, 2)
+    got = run_ranks(_train, 2, True, False, -1, 3, 2)
+    for (rlog, rw, _, _), (glog, gw, _, _) in zip(ref, got):
+        for r, g in zip(rlog, glog):
+            assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
+            assert g["norm"] == pytest.approx(r["norm"], rel=1e-5)
+            for name, grad in r["grads"].items():
+                torch.testing.assert_close(g["grads"][name], grad, rtol=1e-5, atol=1e-7)
+        for name in rw:
+            torch.testing.assert_close(gw[name], rw[name], rtol=1e-5, atol=1e-6)
 
 
 def test_fp16_sharded_matches_unsharded_and_state_is_halved():
