@@ -84,11 +84,12 @@ class SMPParameters(_Strict):
         None, ge=1, description="Most microbatches in flight in the pipeline; default pp + 2.")
     deterministic_server: bool = Field(False, description="Deterministic pipeline execution.")
     offload_activations: bool = Field(
-        False, description="Offload checkpointed activations to CPU. Not implemented: True is "
-                           "refused (keep False; activation checkpointing works without it).")
+        False, description="Keep the inputs of checkpointed modules (smp.set_activation_"
+                           "checkpointing) in host memory (pinned on CUDA) between forward and "
+                           "backward; no effect on modules that are not checkpointed.")
     activation_loading_horizon: int = Field(
-        4, gt=0, description="Activations loaded ahead when offloading (used only with "
-                             "offload_activations).")
+        4, gt=0, description="With offload_activations: how many checkpointed modules ahead "
+                             "backward starts copying inputs back to the device (side stream).")
     static_mode: bool = Field(
         False, description="smp: replay one recorded pipeline execution order every step. "
                            "This runtime always builds the schedule once and replays it each "
@@ -106,13 +107,20 @@ class SMPParameters(_Strict):
     fp16: bool = Field(False, description="FP16 training: FP16_Module and the FP16 optimizer.")
     bf16: bool = Field(False, description="BF16 training (no loss scaling); exclusive with fp16.")
     fp16_params: bool = Field(False, description="Initialise distributed modules in fp16.")
-    shard_optimizer_state: bool = Field(False, description="Shard optimizer state over the "
-                                                           "data-parallel ranks.")
+    shard_optimizer_state: bool = Field(
+        False, description="Split the fp32 master weights and the optimizer state over the "
+                           "reduced data-parallel ranks (1/rdp each; gradients "
+                           "reduce-scattered, weights all-gathered). Needs an elementwise "
+                           "torch optimizer (SGD, Adam, AdamW, ...); checkpoints are per rank "
+                           "and load into another rdp.")
     prescaled_batch: bool = Field(
         False, description="TP ranks of one RDP group read the same batch (sharded by rdp_rank).")
     skip_tracing: bool = Field(False, description="Skip the tracing step before partitioning.")
     delayed_parameter_initialization: bool = Field(
-        False, description="Create parameters lazily, after partitioning.")
+        False, description="Modules created in smp.model_creation get meta parameters; at "
+                           "DistributedModel each rank materialises and initialises only its "
+                           "pipeline stage's (same values as eager creation with the same "
+                           "seed). Not with tensor_parallel_degree > 1.")
     sharded_data_parallel_degree: int = Field(
         1, ge=1, description="Sharded data parallelism degree (MiCS/ZeRO-3 style sharding of "
                              "parameters, gradients and optimizer state). Not implemented: only "
@@ -175,10 +183,6 @@ class SMPParameters(_Strict):
                 f"sharded_data_parallel_degree={self.sharded_data_parallel_degree}: sharded data "
                 f"parallelism is not implemented in this runtime; set it to 1 (for optimizer-state "
                 f"sharding use \"shard_optimizer_state\": True with \"ddp\": True)")
-        if self.offload_activations:
-            raise ValueError("offload_activations=True: activation offloading is not "
-                             "implemented in this runtime; set \"offload_activations\": False "
-                             "(activation checkpointing works without it)")
         if self.horovod:
             warnings.warn("smp parameter horovod is TensorFlow only; ignored", stacklevel=2)
         # Resolve the defaults that depend on other keys (the object is frozen: bypass once).

@@ -177,7 +177,6 @@ def test_sdp_keys_keep_their_documented_types():
 @pytest.mark.parametrize("params, key, fix", [
     ({"sharded_data_parallel_degree": 2, "ddp": True}, "sharded_data_parallel_degree=2",
      "set it to 1"),
-    ({"offload_activations": True}, "offload_activations=True", '"offload_activations": False'),
 ])
 def test_unimplemented_features_are_refused_before_anything_starts(params, key, fix):
     with pytest.raises(ConfigError) as err:
@@ -185,6 +184,13 @@ def test_unimplemented_features_are_refused_before_anything_starts(params, key, 
     assert key in str(err.value) and fix in str(err.value)
     with pytest.raises(ConfigError):
         parse_mp_parameters(params)  # and smp.init()'s
+
+
+def test_offload_activations_is_accepted_with_its_horizon():
+    p = parse_mp_parameters({"offload_activations": True, "activation_loading_horizon": 2})
+    assert p.offload_activations and p.activation_loading_horizon == 2
+    with pytest.raises(ConfigError, match="activation_loading_horizon"):
+        parse_mp_parameters({"offload_activations": True, "activation_loading_horizon": 0})
 
 
 @pytest.mark.parametrize("typo, hint", [("static_mod", "static_mode"), ("fastmode", "fast_mode"),

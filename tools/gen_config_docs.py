@@ -39,8 +39,11 @@ RULES = """
 - `default_partition < pipeline_parallel_degree`, and it is required when `auto_partition` is False.
 - `memory_weight` in [0, 1]; its default is 0.8, or 0.2 with `optimize: "speed"`.
 - `active_microbatches` defaults to `pipeline_parallel_degree + 2`.
+- `offload_activations` acts on the modules given to `smp.set_activation_checkpointing` (their
+  inputs wait in host memory); `delayed_parameter_initialization` with
+  `tensor_parallel_degree > 1` is refused when the model is wrapped.
 - Not implemented, refused with an error before anything starts: `sharded_data_parallel_degree`
-  above 1 and `offload_activations: True`. The `sdp_*` keys configure sharded data parallelism
+  above 1. The `sdp_*` keys configure sharded data parallelism
   only: with `sharded_data_parallel_degree` 1 they are accepted and, as in smp, have no effect
   (AWS's GPT-2 example passes `sdp_gradient_clipping` and `sdp_hierarchical_allgather` always).
 - `static_mode`, `fast_mode` and `_match_weights` (keys AWS's example scripts pass; AWS's

@@ -21,10 +21,15 @@ own computation as `_smp_stage_inner`; checkpointing wraps that computation, so 
 another stage is never recomputed here and a stage's last block still ends the stage.
 `pack_args_as_tuple` only mattered for smp's reentrant implementation: tuple arguments
 work as they are here.
+
+Offloading: with `offload_activations: true` the inputs a checkpoint keeps live in host
+memory until backward, and come back `activation_loading_horizon` checkpoints ahead of use
+(activation_offload.py).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
@@ -32,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import activation_offload as offload
 from .errors import SMPConfigError
 
 __all__ = ["STRATEGY_PATTERN", "apply_recorded", "apply_checkpointing", "check_strategy"]
@@ -119,8 +125,9 @@ def _checkpoint_module(module: nn.Module, preserve_rng_state: bool) -> None:
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False,
-                          preserve_rng_state=preserve_rng_state, **kwargs)
+        with offload.boundary(inner, args) as (fn, held):  # offload_activations
+            return checkpoint(fn, *held, use_reentrant=False,
+                              preserve_rng_state=preserve_rng_state, **kwargs)
 
     forward._smp_checkpointed = True
     _set_inner(module, forward)
@@ -145,8 +152,9 @@ def _group_member(child: nn.Module, seq: nn.Sequential, own_inner):
                                  key="strategy", value=seq._smp_checkpoint_groups[0])
         _groups.active = (seq, group)
         inners = [c._smp_group_inner for c in group]
-        return checkpoint(_run_group, inners, x, use_reentrant=False,
-                          preserve_rng_state=seq._smp_checkpoint_groups[1])
+        with offload.boundary(functools.partial(_run_group, inners), (x,)) as (fn, held):
+            return checkpoint(fn, *held, use_reentrant=False,
+                              preserve_rng_state=seq._smp_checkpoint_groups[1])
 
     forward._smp_checkpointed = True
     child._smp_group_inner = own_inner

@@ -7,7 +7,9 @@ Layout under `path` (file names as smp v1's; rankinfo is `{pp_rank}_{tp_rank}`):
         .plan.json               written first (rank 0): every file this save will write
         model_<pp>_<tp>.pt       model.local_state_dict()            (rdp_rank 0 of each pp,tp)
         optimizer_<pp>_<tp>.pt   inner optimizer state, step counters (rdp_rank 0; with
-                                 shard_optimizer_state every rank: optimizer_<pp>_<tp>_<rdp>.pt)
+                                 shard_optimizer_state every rank its slice:
+                                 optimizer_<pp>_<tp>_<rdp>.pt, resharded on load when the
+                                 job's rdp differs, sharded_optimizer.reshard_state)
         fp16_states_<pp>_<tp>.pt fp32 masters + loss scaler           (fp16/bf16 only, same owner)
         rng_states_<pp>_<tp>_<rdp>.pt  this rank's torch/CUDA/python/numpy RNG and step count
         user_content.pt, smp_config.pt (rank 0)
@@ -296,11 +298,13 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
             full checkpoint.
         partial: load `<tag>_partial/` (same pp and tp as saved; any rdp) or, when False, the
             full model file `<path>/<tag>` into any pp x tp layout (optimizer not loaded).
+            Partial checkpoints saved with shard_optimizer_state load into any rdp.
         strict: model keys must match exactly.
         load_optimizer: also restore optimizer, masters and loss scaler (partial only);
             when False the fp32 masters are refreshed from the loaded weights.
-        load_sharded_optimizer_state: accepted for smp compatibility (the optimizer state of
-            this runtime is never sharded differently from the files it reads).
+        load_sharded_optimizer_state: accepted for smp compatibility; with
+            shard_optimizer_state each rank reads its own slice files, or, when the rdp size
+            changed, every saved slice of its partition and reshards them.
         translate_function: applied to a full state dict before loading (e.g. HF -> smp keys).
 
     Returns:
@@ -332,7 +336,7 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     elif state.rank == 0:
         log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
                     "restored", folder, manifest["world_size"], state.topology.world_size)
-    pending = _read_partial(folder, records, load_optimizer)
+    pending = _read_partial(folder, records, load_optimizer, manifest["rdp"])
     _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
                                                                      strict, load_optimizer),
                             rng=rng)
@@ -363,25 +367,63 @@ def _verify_partial(folder: str) -> dict:
             f"{manifest['pp']} and tensor_parallel_degree {manifest['tp']}, this job has "
             f"{topo.pp} and {topo.tp}; use the same degrees, or save and load a full "
             f"checkpoint (partial=False), which loads into any layout")
-    files.check_files(folder, manifest["files"], _read_names(manifest["files"]))
+    _check_sharding(manifest)
+    files.check_files(folder, manifest["files"],
+                      _read_names(manifest["files"], manifest["rdp"]))
     return manifest
 
 
-def _read_names(records) -> list[str]:
-    """The files this rank loads: its (pp, tp) partition's (with sharding its own rdp's)."""
+def _check_sharding(manifest: dict) -> None:
+    """Optimizer files per rdp rank (shard_optimizer_state) or per partition, as this job."""
+    pp, tp, _ = _coords()
+    names = set(manifest["files"])
+    saved_sharded = f"optimizer_{pp}_{tp}_0.pt" in names
+    if (f"optimizer_{pp}_{tp}.pt" in names or saved_sharded) and saved_sharded != _sharded():
+        raise CheckpointError(
+            f"checkpoint was saved with shard_optimizer_state={saved_sharded}, this job has "
+            f"{_sharded()}: resume with the same setting (load_optimizer=False loads the "
+            f"weights alone)")
+
+
+def _optimizer_infos(saved_rdp: int) -> list[str]:
+    """Rank infos of the optimizer files this rank reads: with sharding its own rdp's, or
+    every saved rdp rank's when the rdp size changed (they are resharded on load)."""
     pp, tp, rdp = _coords()
-    info = f"{pp}_{tp}_{rdp}" if _sharded() else f"{pp}_{tp}"
-    names = [f"model_{pp}_{tp}.pt", f"optimizer_{info}.pt", f"fp16_states_{info}.pt",
-             "user_content.pt"]
+    if not _sharded():
+        return [f"{pp}_{tp}"]
+    if saved_rdp == state.topology.rdp:
+        return [f"{pp}_{tp}_{rdp}"]
+    return [f"{pp}_{tp}_{r}" for r in range(saved_rdp)]
+
+
+def _read_names(records, saved_rdp: int) -> list[str]:
+    """The files this rank loads: its (pp, tp) partition's (with sharding see above)."""
+    pp, tp, _ = _coords()
+    names = [f"model_{pp}_{tp}.pt", "user_content.pt"]
+    for info in _optimizer_infos(saved_rdp):
+        names += [f"optimizer_{info}.pt", f"fp16_states_{info}.pt"]
     return [n for n in names if n in records]
 
 
-def _read_partial(folder: str, records, load_optimizer: bool) -> dict:
+def _read_partial(folder: str, records, load_optimizer: bool, saved_rdp: int) -> dict:
     pending = {}
-    for name in _read_names(records):
-        kind = name.split("_")[0]  # model / optimizer / fp16 / user
-        if kind in ("model",) or (load_optimizer and kind in ("optimizer", "fp16")):
-            pending[kind] = files.load(os.path.join(folder, name))
+    name = "model_{}_{}.pt".format(*_coords()[:2])
+    if name in records:
+        pending["model"] = files.load(os.path.join(folder, name))
+    if not load_optimizer:
+        return pending
+    parts = []
+    for info in _optimizer_infos(saved_rdp):
+        if f"optimizer_{info}.pt" not in records:
+            continue
+        part = dict(files.load(os.path.join(folder, f"optimizer_{info}.pt")))
+        if f"fp16_states_{info}.pt" in records:
+            part.update(files.load(os.path.join(folder, f"fp16_states_{info}.pt")))
+        parts.append(part)
+    if len(parts) == 1 and (not _sharded() or saved_rdp == state.topology.rdp):
+        pending["optimizer"] = parts[0]
+    elif parts:
+        pending["optimizer"] = {"_smp_reshard": parts}  # sharded_optimizer.reshard_state
     return pending
 
 
@@ -439,7 +481,7 @@ def _apply_partial(model, optimizer, pending: dict, strict: bool, load_optimizer
         raise CheckpointError("resume_from_checkpoint(load_optimizer=True): no "
                               "smp.DistributedOptimizer exists at the first step; create it "
                               "before the first smp.step, or pass load_optimizer=False")
-    optimizer.load_state_dict({**pending["optimizer"], **pending.get("fp16", {})})
+    optimizer.load_state_dict(pending["optimizer"])
 
 
 def _refresh_masters(optimizer) -> None:

@@ -107,9 +107,13 @@ def tensor_parallelism(enabled: bool = True, **tp_config):
     return _push({"tensor_parallelism": bool(enabled), "tp_config": tp_config})
 
 
+@contextlib.contextmanager
 def delay_param_initialization(enabled: bool = True):
-    """Modules created inside initialise their parameters after partitioning."""
-    return _push({"delay_param_initialization": bool(enabled)})
+    """Parameters of modules created inside stay on the meta device until DistributedModel
+    materialises this rank's stage and initialises it (delayed_init.py)."""
+    from .delayed_init import meta_parameters
+    with _push({"delay_param_initialization": bool(enabled)}), meta_parameters(bool(enabled)):
+        yield
 
 
 def partition(index: int):
@@ -151,8 +155,9 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
     state.creation_dtype = dtype
     if dtype is not None:
         torch.set_default_dtype(dtype)
+    from .delayed_init import meta_parameters
     try:
-        with _push(frame):
+        with _push(frame), meta_parameters(delayed):
             yield
     finally:
         torch.set_default_dtype(previous)
@@ -183,7 +188,8 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     Before smp.DistributedModel the request is recorded and applied at wrap time; after it,
     at once. Containers: strategy "each" checkpoints every child; on an nn.Sequential
     "group_N" / "contiguous" checkpoint N / all consecutive children of one pipeline stage
-    together (activation_checkpointing.py).
+    together (activation_checkpointing.py). With `offload_activations` the inputs each
+    checkpoint keeps wait in host memory until backward (activation_offload.py).
 
     Raises:
         SMPConfigError: unknown strategy, or a grouping strategy for a non-Sequential module.

@@ -19,6 +19,7 @@ real forward. Other stages' parameters stay in `model.parameters()` as 0-element
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import weakref
 from collections import OrderedDict
@@ -127,6 +128,10 @@ class DistributedModel(nn.Module):
             raise SMPConfigError(f"bucket_cap_mb ({bucket_cap_mb!r}) must be > 0",
                                  key="bucket_cap_mb", value=bucket_cap_mb)
         super().__init__()
+        from .delayed_init import materialize
+        if materialize(module) is not None and state.rank == 0:  # delayed init: stage's share
+            from .memory_report import wrap_line
+            logging.getLogger("smp").info(wrap_line())
         self._wrapped_input = weakref.ref(module)  # what the script passed (TP may replace it)
         self._wrap_args = given
         if state.topology.tp > 1:
@@ -231,6 +236,24 @@ class DistributedModel(nn.Module):
         return GradReducer([g for g in groups if g.params], bucket_cap_mb=self.bucket_cap_mb,
                            overlap=self.overlapping_allreduce,
                            gradient_as_bucket_view=self.gradient_as_bucket_view)
+
+    def _release_from_reducer(self, params) -> dict[int, ReductionGroup]:
+        """Stop reducing `params` (shard_optimizer_state reduce-scatters them itself).
+
+        Returns:
+            id(param) -> the ReductionGroup (process group, size, divisor) it was reduced in.
+        """
+        ids = {id(p) for p in params}
+        groups = list({id(b.group): b.group for b in self._reducer.buckets}.values())
+        found = {id(p): g for g in groups for p in g.params if id(p) in ids}
+        kept = [ReductionGroup(g.name, [p for p in g.params if id(p) not in ids],
+                               g.process_group, g.size, g.divisor) for g in groups]
+        self._reducer.remove()
+        self._reducer = GradReducer([g for g in kept if g.params],
+                                    bucket_cap_mb=self.bucket_cap_mb,
+                                    overlap=self.overlapping_allreduce,
+                                    gradient_as_bucket_view=self.gradient_as_bucket_view)
+        return found
 
     # ---- step protocol (called by smp.step) -------------------------------------------------
     def _run_partition_hooks(self) -> None:

@@ -24,6 +24,7 @@ back: the step's single host sync. Then one of two paths:
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -48,6 +49,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     partitioned at the first `smp.step`, and the masters are built then, from this stage's
     parameters (`param_groups` work for LR schedulers before that; a `load_state_dict` made
     before the first step is applied then).
+    With `shard_optimizer_state` the masters and the optimizer state are slices over the
+    reduced data-parallel group (sharded_optimizer.py); the optimizer must be elementwise
+    (SGD, Adam, AdamW, ...).
 
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.
@@ -110,7 +114,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         self._stage_state_built = True
         optimizer = self.optimizer
-        if self.fp16 or self.bf16:
+        if _shard_optimizer_state():  # ZeRO-1 over RDP, any precision: sharded_optimizer.py
+            from .memory_report import optimizer_line
+            from .sharded_optimizer import ShardedMasters
+            self._masters = ShardedMasters(optimizer, counts=_counts_in_norm)
+            if state.rank == 0:
+                logging.getLogger("smp").info(optimizer_line(self))
+        elif self.fp16 or self.bf16:
             kind = fused_kind(optimizer)
             self._fused = FusedStepper(kind, optimizer) if kind else None
             self._masters = MasterParams(optimizer.param_groups, counts=_counts_in_norm,
@@ -129,7 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def mixed_precision(self) -> bool:
-        return self._masters is not None
+        return self.fp16 or self.bf16
 
     def _share_inner(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -244,7 +254,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             dist.all_reduce(pair, op=op, group=group)
         found_v, counted_v = pair.tolist()  # the step's host sync
-        overflow = found_v > 0 and self._masters is not None
+        overflow = found_v > 0 and self.mixed_precision
         norm = counted_v if math.isinf(norm_type) else counted_v ** (1.0 / norm_type)
         if not self._unscaled:
             norm = norm / self.loss_scale
@@ -321,19 +331,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Args:
             cast_to_cpu: return CPU copies of the tensors (smp's default), else as they are.
-            gather_if_shard: smp's flag for sharded optimizer state; the optimizer state of
-                this runtime is never sharded (shard_optimizer_state only moves the overflow
-                and norm reductions), so this rank's state is already whole either way.
+            gather_if_shard: smp's flag for sharded optimizer state. With
+                shard_optimizer_state this rank's slices are returned with their layout
+                (`sharded_layout`), from which a load into another rdp size reshards; they
+                are not gathered.
             fp32_states_only: only the inner optimizer's state (no loss scaler, no masters).
         """
-        del gather_if_shard  # nothing is sharded: see the docstring
+        del gather_if_shard  # slices carry their layout: see the docstring
         out = {"optimizer_state_dict": self.optimizer.state_dict(), "_smp_is_partial": True}
         if not fp32_states_only:
             out.update({"loss_scaler": self.scaler.state_dict(),
                         "dynamic_loss_scale": self.scaler.dynamic, "overflow": self.overflow,
                         "skipped_steps": self.skipped_steps, "steps": self.steps})
-            if self._masters is not None:
+            if self.mixed_precision and self._masters is not None:
                 out["fp32_from_fp16_params"] = self._masters.master_tensors()
+        if _shard_optimizer_state() and self._masters is not None:
+            out["sharded_layout"] = self._masters.layout()
         return _to_cpu(out) if cast_to_cpu else out
 
     def state_dict(self) -> dict:
@@ -359,6 +372,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = state_dict
         if "mp_rank_states" in sd:
             sd = sd["mp_rank_states"][state.topology.mp_rank(state.rank)]
+        if _shard_optimizer_state():
+            from .sharded_optimizer import check_layout, reshard_state
+            if "_smp_reshard" in sd:  # every saved rdp rank's state (checkpointing.py)
+                sd = reshard_state(sd["_smp_reshard"], self._masters)
+            check_layout(sd, self._masters)
         inner = sd.get("optimizer_state_dict", sd)
         self.optimizer.load_state_dict(inner)
         self._share_inner()  # torch's load replaces the param_groups list
@@ -411,6 +429,10 @@ def _counts_in_norm(p) -> bool:
         return True
     topo = state.topology
     return topo is None or topo.tp_rank(state.rank) == 0
+
+
+def _shard_optimizer_state() -> bool:
+    return bool(state.cfg.shard_optimizer_state)
 
 
 def _reduction_group():

@@ -142,6 +142,8 @@ def init(config: dict | None = None) -> None:
     if state.rank == 0:
         logger.info("smp initialised: %s, backend %s, microbatches %d", topology.describe(),
                     backend, cfg.microbatches)
+        from .memory_report import startup_line
+        logger.info(startup_line(cfg, topology))
 
 
 def is_initialized() -> bool:

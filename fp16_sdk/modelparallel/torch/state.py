@@ -7,7 +7,8 @@ Fields (docs/internals.md "Runtime state"):
 - rank, local_rank, local_size: this process' place in the world and on its host.
 - model / optimizer: the one DistributedModel / DistributedOptimizer.
 - creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
-  PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used.
+  PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used;
+  delayed_init_report: the parameter memory delayed initialization materialised.
 - module_manager: `translate_functions`, the (smp_to_hf, hf_to_smp) state-dict pairs that
   transformers' `save_pretrained` applies under smp (nn/huggingface registers one per model).
 - in_step, microbatch (index inside the running step, else None; per thread, because with
@@ -17,6 +18,7 @@ Fields (docs/internals.md "Runtime state"):
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Any
@@ -66,11 +68,15 @@ class RuntimeState:
         self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self.creation_dtype: Any = None
         self.module_manager = ModuleManager()
+        self.delayed_init_report: dict | None = None  # parameter bytes it materialised
         self.in_step = False
         self.tracing = False  # the pipeline's first-step trace is running (pipeline/trace.py)
         self._thread = threading.local()  # microbatch, per thread
         self.step_count = 0
         self.owns_process_group = False
+        offload = sys.modules.get("fp16_sdk.modelparallel.torch.activation_offload")
+        if offload is not None:  # its counters belong to the runtime that ran
+            offload.stats.reset()
 
     @property
     def microbatch(self) -> int | None:

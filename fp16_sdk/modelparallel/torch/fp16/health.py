@@ -1,4 +1,6 @@
-"""The FP16 health log: every N steps on rank 0, the loss scale and the skipped-step count."""
+"""The FP16 health log: every N steps on rank 0, the loss scale, the skipped-step count and the
+memory figures of memory_report.health_figures (optimizer state per rank, offloaded
+activations, delayed-initialization parameters)."""
 
 from __future__ import annotations
 
@@ -40,5 +42,7 @@ def log_health(opt) -> None:
     recent = opt.skipped_steps - opt._logged_skips
     opt._logged_skips = opt.skipped_steps
     mode = "fp16" if opt.fp16 else "bf16" if opt.bf16 else "fp32"
-    logger.info("step %d (%s): loss scale %g, skipped steps %d in total, %d in the last %d",
-                opt.steps, mode, opt.loss_scale, opt.skipped_steps, recent, opt._log_interval)
+    from ..memory_report import health_figures
+    logger.info("step %d (%s): loss scale %g, skipped steps %d in total, %d in the last %d; %s",
+                opt.steps, mode, opt.loss_scale, opt.skipped_steps, recent, opt._log_interval,
+                health_figures(opt))

@@ -151,7 +151,8 @@ def release_other_stages(module: nn.Module, part: Partition, stage: int,
                     continue
                 seen.add(id(t))
                 freed += t.numel()
-                t._smp_full_shape = tuple(t.shape)
+                if t.numel() or not hasattr(t, "_smp_full_shape"):  # delayed init freed it
+                    t._smp_full_shape = tuple(t.shape)
                 if isinstance(t, nn.Parameter):
                     t.grad = None
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)

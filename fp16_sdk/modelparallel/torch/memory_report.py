@@ -1,0 +1,99 @@
+"""What the memory features are doing, in words and bytes: start-up summary and health log.
+
+- `startup_line(cfg, topology)`: logged by smp.init with the topology line; which features
+  are on and what each saves (as a fraction of the model, per rank).
+- `wrap_line()`: logged once the DistributedModel materialised a delayed model.
+- `optimizer_line(opt)`: logged when the DistributedOptimizer is built: bytes of optimizer
+  state on this rank, and with shard_optimizer_state what the unsharded layout would hold.
+- `health_figures(opt)`: appended to the FP16 health line every SMP_LOG_INTERVAL steps:
+  optimizer state bytes, activations offloaded so far (count, bytes, host peak, prefetched
+  loads) and parameter bytes materialised by delayed initialization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import activation_offload
+from .state import state
+
+__all__ = ["startup_line", "wrap_line", "optimizer_line", "health_figures", "optimizer_bytes"]
+
+_MIB = 1024 * 1024
+
+
+def _mib(n: float) -> str:
+    return f"{n / _MIB:.1f} MiB"
+
+
+def startup_line(cfg, topology) -> str:
+    """One line: the memory features of this job and what each saves."""
+    parts = []
+    if cfg.shard_optimizer_state:
+        parts.append(f"shard_optimizer_state on: fp32 masters and optimizer state split over "
+                     f"rdp={topology.rdp} ranks (1/{topology.rdp} per rank)")
+    if cfg.offload_activations:
+        parts.append(f"offload_activations on: checkpointed modules' inputs held in host "
+                     f"memory, loaded {cfg.activation_loading_horizon} modules ahead "
+                     f"(acts only on modules given to smp.set_activation_checkpointing)")
+    if cfg.delayed_parameter_initialization:
+        parts.append(f"delayed_parameter_initialization on: modules created in "
+                     f"smp.model_creation hold meta parameters until wrap time, then each "
+                     f"rank materialises its stage (~1/{topology.pp} of the model)")
+    return "memory: " + ("; ".join(parts) if parts else "no memory-saving feature on "
+                         "(shard_optimizer_state, offload_activations, "
+                         "delayed_parameter_initialization all off)")
+
+
+def wrap_line() -> str | None:
+    """Delayed initialization's figures, once materialised (None if it did not run)."""
+    report = state.delayed_init_report
+    if report is None:
+        return None
+    return (f"delayed parameter initialization: this rank holds {_mib(report['local_bytes'])} "
+            f"of the model's {_mib(report['model_bytes'])} of parameters (host peak while "
+            f"materialising {_mib(report['peak_bytes'])})")
+
+
+def optimizer_bytes(opt) -> int:
+    """Bytes of fp32 masters, master gradients and inner optimizer state on this rank."""
+    masters = opt._masters
+    if masters is not None and hasattr(masters, "state_bytes"):
+        return masters.state_bytes(opt.optimizer)
+    total = sum(t.nbytes for s in opt.optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim())
+    if masters is not None:
+        total += sum(b.master.nbytes + (b.master_grad.nbytes if b.master_grad is not None
+                                        else 0) for b in masters.buckets)
+    return total
+
+
+def optimizer_line(opt) -> str | None:
+    """At DistributedOptimizer creation, with shard_optimizer_state: what it holds and saves."""
+    if not state.cfg.shard_optimizer_state:
+        return None
+    masters = opt._masters
+    elems = sum(b.chunk for b in masters.buckets)
+    full = sum(b.numel for b in masters.buckets)
+    per_elem = (8 if opt.mixed_precision else 0)  # fp32 master + master grad
+    return (f"shard_optimizer_state: this rank steps {elems} of {full} elements "
+            f"(1/{state.topology.rdp}); masters{' and master grads' if per_elem else ''} "
+            f"{_mib(elems * per_elem)} here instead of {_mib(full * per_elem)}; optimizer "
+            f"moments are allocated at the first step for the slice only")
+
+
+def health_figures(opt) -> str:
+    """The memory part of the health line."""
+    parts = [f"optimizer state {_mib(optimizer_bytes(opt))}/rank"
+             + (f" (1/{state.topology.rdp} sharded)" if state.cfg.shard_optimizer_state
+                else "")]
+    if state.cfg.offload_activations:
+        s = activation_offload.stats
+        parts.append(f"activations offloaded {s.offloaded} ({_mib(s.offloaded_bytes)}, host "
+                     f"peak {_mib(s.peak_host_bytes)}, {s.pinned} pinned), loads {s.loads} "
+                     f"({s.prefetched} prefetched)")
+    report = state.delayed_init_report
+    if report is not None:
+        parts.append(f"parameters materialised {_mib(report['local_bytes'])} of "
+                     f"{_mib(report['model_bytes'])}")
+    return "; ".join(parts)

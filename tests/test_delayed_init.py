@@ -1,0 +1,166 @@
+"""Delayed parameter initialization against eager creation.
+
+References: the same model created eagerly with the same seed (values, and the losses of 3
+training steps), the refusal at pp=2 on 2 Gloo ranks, the model's parameter bytes, and the live bytes of
+every CPU storage allocated during creation and wrapping (a TorchDispatchMode with weak
+references to storages: a storage counts while it is alive).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp16_sdk.modelparallel.torch as smp
+from fp16_sdk.modelparallel.torch.errors import SMPConfigError
+from fp16_sdk.modelparallel.torch.state import state
+from mp_utils import run_ranks
+
+VOCAB, HIDDEN, LAYERS = 16, 256, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(HIDDEN)
+        self.fc1, self.fc2 = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.register_buffer("scale", torch.full((1,), 0.5))  # a buffer computed in __init__
+
+    def forward(self, ids):
+        x = self.wte(ids) * self.scale
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of CPU storages alive at once among those created while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                s = t.untyped_storage()
+                if s.data_ptr() and s.data_ptr() not in self.live:
+                    self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def _model_bytes() -> int:
+    return sum(p.nbytes for p in LM().parameters())
+
+
+def _build(delayed: bool):
+    torch.manual_seed(0)
+    counter = LiveBytes()
+    with counter:
+        with smp.delay_param_initialization(enabled=delayed):
+            module = LM()
+        on_meta = all(p.is_meta for p in module.parameters())
+        model = smp.DistributedModel(module)
+    return model, module, counter.peak, on_meta
+
+
+def _refused_at_pp2(rank, world):
+    torch.cuda.is_available = lambda: False
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
+    try:
+        _build(True)
+    except smp.SMPConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_pp2_delayed_init_is_refused_until_the_pipeline_can_trace_on_meta():
+    """The pipeline partitions at the first step after tracing the whole model, so delayed
+    initialization (which would free other stages' parameters at wrap time) is refused at
+    pp > 1 with an error naming the key, instead of a trace over missing parameters."""
+    for message in run_ranks(_refused_at_pp2, 2):
+        assert message and "delayed_parameter_initialization" in message
+        assert "pipeline_parallel_degree 2" in message
+
+
+@pytest.fixture
+def init(monkeypatch):
+    for var in ("SM_HP_MP_PARAMETERS", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    state.reset()
+    smp.init({"ddp_dist_backend": "gloo"})
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    state.reset()
+
+
+def test_pp1_values_equal_eager_creation_with_the_same_seed(init):
+    torch.manual_seed(0)
+    eager = LM()
+    _, module, _, on_meta = _build(True)
+    assert on_meta
+    for (name, a), b in zip(eager.named_parameters(), module.parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(module.scale, torch.full((1,), 0.5))  # buffers stay real
+
+
+def test_model_creation_flag_and_nesting(init):
+    with smp.model_creation(delayed_param_initialization=True):
+        a = nn.Linear(2, 2)
+        with smp.delay_param_initialization(enabled=False):
+            b = nn.Linear(2, 2)
+    c = nn.Linear(2, 2)
+    assert a.weight.is_meta and not b.weight.is_meta and not c.weight.is_meta
+
+
+class NoInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+
+def test_a_module_without_reset_parameters_is_refused(init):
+    with smp.delay_param_initialization():
+        module = nn.Sequential(nn.Linear(3, 3), NoInit())
+    with pytest.raises(SMPConfigError, match="NoInit has parameters but no reset_parameters"):
+        smp.DistributedModel(module)
+
+
+def test_hf_gpt2_values_equal_eager_creation(init):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    eager = transformers.GPT2LMHeadModel(cfg)
+    torch.manual_seed(0)
+    with smp.delay_param_initialization():
+        module = transformers.GPT2LMHeadModel(cfg)
+    smp.DistributedModel(module)
+    assert module.lm_head.weight is module.transformer.wte.weight  # still tied
+    want = eager.state_dict()
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, want[name]), name
