@@ -32,7 +32,7 @@ from .sagemaker import check_remote_spec, code_uri
 
 __all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest"]
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` accepts a final "\n"
 _SETTINGS_LINE = "# @@FP16_SDK_SETTINGS@@"
 USER_DATA_LIMIT = 16384  # EC2's limit on raw user data, in bytes
 
@@ -42,7 +42,7 @@ def render_user_data(settings: dict[str, str]) -> str:
     template = importlib.resources.files(__package__).joinpath("ec2_userdata.sh").read_text()
     lines = []
     for name, value in settings.items():
-        assert _ENV_NAME.match(name), name
+        assert _ENV_NAME.fullmatch(name), name
         lines.append(f"{name}={shlex.quote(str(value))}")
     return template.replace(_SETTINGS_LINE, "\n".join(lines), 1)
 
@@ -103,7 +103,7 @@ def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
 
 def _env_script(spec: JobSpec) -> str:
     for name, value in spec.environment.items():
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"environment variable name {name!r} is not a valid shell name",
                               key="environment", value=name)
     lines = [f"export {name}={shlex.quote(str(value))}" for name, value in spec.environment.items()]
