@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fp16_sdk.errors import PackagingError, UnsafeArchiveError
 
-__all__ = ["MAX_MEMBERS", "MAX_TOTAL_BYTES", "MAX_NAME_CHARS", "safe_extract"]
+__all__ = ["MAX_MEMBERS", "MAX_TOTAL_BYTES", "MAX_NAME_CHARS", "safe_extract", "relative_parts"]
 
 # Generous for code (a sourcedir of 100k files or 16 GiB is already unusual), finite so that
 # a hostile archive cannot fill the disk or spin the toolkit forever.
@@ -125,21 +125,36 @@ def _check_header(member: tarfile.TarInfo, tar_path) -> tuple[str, ...]:
     if member.type not in _REGULAR and not member.isdir():
         _refuse(tar_path, member, f"has unsupported member type {member.type!r} (only regular "
                                   "files and folders are extracted)")
+    try:
+        return relative_parts(name)
+    except ValueError as exc:
+        _refuse(tar_path, member, str(exc))
+
+
+def relative_parts(name: str) -> tuple[str, ...]:
+    """The components of `name` as a path that stays inside the folder it is joined to.
+
+    The one containment rule for names that come from outside (tar members, S3 keys mapped
+    to files): "" and "." components are dropped; absolute names, `..` components, NUL and
+    over-long names or components are refused.
+
+    Raises:
+        ValueError: saying why ("has a '..' component ...").
+    """
     if len(name) > MAX_NAME_CHARS:
-        _refuse(tar_path, member, f"has an over-long path ({len(name)} characters, limit "
-                                  f"{MAX_NAME_CHARS})")
+        raise ValueError(f"has an over-long path ({len(name)} characters, limit "
+                         f"{MAX_NAME_CHARS})")
     if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        _refuse(tar_path, member, "has an absolute path")
+        raise ValueError("has an absolute path")
     if "\x00" in name:
-        _refuse(tar_path, member, "has a NUL byte in its name")
+        raise ValueError("has a NUL byte in its name")
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
     for part in parts:
         if part == "..":
-            _refuse(tar_path, member, "has a '..' component (paths must stay inside the "
-                                      "target)")
+            raise ValueError("has a '..' component (paths must stay inside the target)")
         if len(os.fsencode(part)) > _MAX_COMPONENT_BYTES:
-            _refuse(tar_path, member, f"has an over-long path component ({part[:40]!r}..., "
-                                      f"limit {_MAX_COMPONENT_BYTES} bytes)")
+            raise ValueError(f"has an over-long path component ({part[:40]!r}..., limit "
+                             f"{_MAX_COMPONENT_BYTES} bytes)")
     return parts
 
 

@@ -157,10 +157,11 @@ def test_sharded_channel_manifest_matches_a_hand_table(infra, aws, tmp_path):
 def test_environment_values_survive_shell_quoting(infra, aws, tmp_path):
     session = ec2_session(infra)
     EC2Backend(session).submit(make_spec(tmp_path))
-    env_sh = session.read_bytes("s3://out-bucket/ec2-job-1/ec2/config/algo-1/env.sh").decode()
-    value = subprocess.run(["bash", "-c", env_sh + '\nprintf %s "$QUOTED"'], check=True,
-                           capture_output=True, text=True).stdout
-    assert value == "it's $(not run) `x`"
+    table = session.read_bytes("s3://out-bucket/ec2-job-1/ec2/config/algo-1/env.tsv").decode()
+    name, b64 = table.rstrip("\n").split("\t")
+    value = subprocess.run(["base64", "-d"], input=b64, check=True, capture_output=True,
+                           text=True).stdout  # what the instance script runs
+    assert (name, value) == ("QUOTED", "it's $(not run) `x`")
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -8,13 +8,14 @@ private addresses (`hosts.json`). The handle waits on `ec2/status/<host>.json`, 
 `ec2/logs/<host>.log`, and terminates every instance on stop(), failure or timeout.
 
 S3 layout of a job (next to `source/sourcedir.tar.gz`):
-    ec2/config/algo-N/{hyperparameters,resourceconfig,inputdataconfig}.json, env.sh, manifest.tsv
+    ec2/config/algo-N/{hyperparameters,resourceconfig,inputdataconfig}.json, env.tsv, manifest.tsv
     ec2/hosts.json, ec2/hosts.txt, ec2/job.json, ec2/logs/algo-N.log, ec2/status/algo-N.json
 Artifacts land where SageMaker puts them: `<output_path>/<job>/output/{model,output}.tar.gz`.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.resources
 import dataclasses
 import json
@@ -25,12 +26,13 @@ import time
 from typing import Any, TextIO
 
 from ..errors import BackendError, ConfigError
+from ..extraction import relative_parts
 from ..session import EC2Session, parse_s3_uri
 from .base import Backend, JobSpec
 from .ec2_job import EC2Job
 from .sagemaker import check_remote_spec, code_uri
 
-__all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest"]
+__all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest", "env_table"]
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` accepts a final "\n"
 _SETTINGS_LINE = "# @@FP16_SDK_SETTINGS@@"
@@ -94,6 +96,16 @@ def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
             rel = key[len(base):] if key.startswith(base) else key.rsplit("/", 1)[-1]
             if "\t" in key or "\n" in key:
                 raise ConfigError(f"S3 key {key!r} has a tab or newline", key="inputs", value=key)
+            try:  # the same containment rule as code extraction: the file stays in its channel
+                rel = "/".join(relative_parts(rel))
+            except ValueError as exc:
+                raise ConfigError(f"input channel {channel.name!r}: S3 key {key!r} {exc}; it "
+                                  "cannot be placed under /opt/ml/input/data, rename the "
+                                  "object", key=f"inputs[{channel.name}]", value=key) from None
+            if not rel:
+                raise ConfigError(f"input channel {channel.name!r}: S3 key {key!r} names no "
+                                  "file inside the channel; rename the object",
+                                  key=f"inputs[{channel.name}]", value=key)
             targets = (spec.hosts if channel.distribution == "FullyReplicated"
                        else [spec.hosts[index % spec.instance_count]])
             for host in targets:
@@ -101,14 +113,19 @@ def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
     return {host: "".join(line + "\n" for line in rows) for host, rows in lines.items()}
 
 
-def _env_script(spec: JobSpec) -> str:
-    for name, value in spec.environment.items():
+def env_table(spec: JobSpec) -> str:
+    """env.tsv: one `NAME<TAB>base64(value)` line per variable of the job's environment.
+
+    Data, not shell code: the instance script passes these to the training process only
+    (`env NAME=value` / `docker run -e NAME=value`), never into its own variables, so a key
+    such as IMAGE or OUTPUT_URI cannot redirect the job.
+    """
+    for name in spec.environment:
         if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"environment variable name {name!r} is not a valid shell name",
                               key="environment", value=name)
-    lines = [f"export {name}={shlex.quote(str(value))}" for name, value in spec.environment.items()]
-    lines.append(f"JOB_ENV_NAMES={shlex.quote(' '.join(spec.environment))}")
-    return "\n".join(lines) + "\n"
+    return "".join(f"{name}\t{base64.b64encode(str(value).encode()).decode()}\n"
+                   for name, value in spec.environment.items())
 
 
 class EC2Backend(Backend):
@@ -146,9 +163,9 @@ class EC2Backend(Backend):
         output_uri = f"{output_root.rstrip('/')}/{spec.job_name}"
         manifests = channel_manifest(spec, self.session.client("s3"))
         self.session.upload_file(spec.sourcedir, submit_uri)
-        env_script = _env_script(spec)
+        env = env_table(spec)
         for host, files in host_configs(spec, submit_uri=submit_uri, region=region).items():
-            files = {**files, "env.sh": env_script, "manifest.tsv": manifests[host]}
+            files = {**files, "env.tsv": env, "manifest.tsv": manifests[host]}
             for name, text in files.items():
                 self.session.upload_bytes(text.encode(), f"{job_uri}/ec2/config/{host}/{name}")
         instances = self._launch_all(spec, job_uri=job_uri, output_uri=output_uri, region=region)
