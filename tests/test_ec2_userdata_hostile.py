@@ -121,3 +121,15 @@ def test_sdk_refuses_s3_keys_that_leave_the_channel(key, why):
         with pytest.raises(ConfigError, match=why) as err:
             channel_manifest(spec, s3)
     assert repr(key) in str(err.value)
+
+
+@pytest.mark.parametrize("raw, status, reason", [
+    ('{"host": "algo-1", "status": "Failed", "exit_code": 1, "reason": "caf\xc3'.encode("latin-1")
+     + b'"}', "Failed", "caf\ufffd"),  # 1024-byte cut inside a UTF-8 character
+    (b'{"host": "algo-1", "stat', "Failed", "unreadable status object from algo-1"),
+    (b'["not", "an", "object"]', "Failed", "unreadable status object"),
+])
+def test_a_damaged_status_object_is_a_host_failure(raw, status, reason):
+    from fp16_sdk.backends.ec2_job import _parse_status
+    got = _parse_status("algo-1", raw)
+    assert got["status"] == status and reason in got["reason"], got
