@@ -328,3 +328,17 @@ def test_pytorch_estimator_with_ec2_session_launches_instances(infra, aws, tmp_p
     assert resources["current_host"] == "algo-2" and resources["hosts"] == ["algo-1", "algo-2"]
     estimator.latest_training_job.stop()
     assert estimator.latest_training_job.status == JobStatus.STOPPED
+
+
+def test_ctrl_c_between_run_instances_leaks_no_instance(infra, aws, tmp_path, monkeypatch):
+    real = EC2Backend._run_request
+
+    def interrupted(self, spec, *, host, **kw):
+        if host == "algo-2":  # the first instance is already running
+            raise KeyboardInterrupt
+        return real(self, spec, host=host, **kw)
+    monkeypatch.setattr(EC2Backend, "_run_request", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        EC2Backend(ec2_session(infra), out=io.StringIO()).submit(make_spec(tmp_path))
+    ec2 = aws.client("ec2")
+    assert instance(ec2, "ec2-job-1", "algo-1")["State"]["Name"] == "terminated"

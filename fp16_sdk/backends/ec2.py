@@ -169,17 +169,23 @@ class EC2Backend(Backend):
             for name, text in files.items():
                 self.session.upload_bytes(text.encode(), f"{job_uri}/ec2/config/{host}/{name}")
         instances = self._launch_all(spec, job_uri=job_uri, output_uri=output_uri, region=region)
-        addresses = {host: inst["PrivateIpAddress"] for host, inst in instances.items()}
-        self.session.upload_bytes(json.dumps(addresses).encode(), f"{job_uri}/ec2/hosts.json")
-        hosts_txt = "".join(f"{ip} {host}\n" for host, ip in addresses.items())
-        self.session.upload_bytes(hosts_txt.encode(), f"{job_uri}/ec2/hosts.txt")
-        record = {"job_name": spec.job_name, "job_uri": job_uri, "output_uri": output_uri,
-                  "instance_type": spec.instance_type, "volume_size": spec.volume_size,
-                  "max_run": spec.max_run, "submitted": time.time(),
-                  "instances": {h: {"InstanceId": i["InstanceId"],
-                                    "PrivateIpAddress": i["PrivateIpAddress"]}
-                                for h, i in instances.items()}}
-        self.session.upload_bytes(json.dumps(record, indent=1).encode(), f"{job_uri}/ec2/job.json")
+        try:  # until the job record exists, nothing else knows these instances: never leak them
+            addresses = {host: inst["PrivateIpAddress"] for host, inst in instances.items()}
+            self.session.upload_bytes(json.dumps(addresses).encode(), f"{job_uri}/ec2/hosts.json")
+            hosts_txt = "".join(f"{ip} {host}\n" for host, ip in addresses.items())
+            self.session.upload_bytes(hosts_txt.encode(), f"{job_uri}/ec2/hosts.txt")
+            record = {"job_name": spec.job_name, "job_uri": job_uri, "output_uri": output_uri,
+                      "instance_type": spec.instance_type, "volume_size": spec.volume_size,
+                      "max_run": spec.max_run, "submitted": time.time(),
+                      "instances": {h: {"InstanceId": i["InstanceId"],
+                                        "PrivateIpAddress": i["PrivateIpAddress"]}
+                                    for h, i in instances.items()}}
+            self.session.upload_bytes(json.dumps(record, indent=1).encode(),
+                                      f"{job_uri}/ec2/job.json")
+        except BaseException:
+            self.session.client("ec2").terminate_instances(
+                InstanceIds=[i["InstanceId"] for i in instances.values()])
+            raise
         return EC2Job(self.session, record, out=self.out)
 
     def attach(self, job_uri: str) -> EC2Job:
@@ -209,10 +215,10 @@ class EC2Backend(Backend):
                                             root_device=root_device)
                 launched[host] = ec2.run_instances(**request)["Instances"][0]
             return self._with_addresses(ec2, launched)
-        except Exception as err:
+        except BaseException as err:  # Ctrl-C between two RunInstances too: none is leaked
             if launched:
                 ec2.terminate_instances(InstanceIds=[i["InstanceId"] for i in launched.values()])
-            if isinstance(err, (BackendError, ConfigError)):
+            if isinstance(err, (BackendError, ConfigError)) or not isinstance(err, Exception):
                 raise
             message = getattr(err, "response", {}).get("Error", {}).get("Message", str(err))
             raise BackendError(f"RunInstances for {spec.job_name} failed: {message}") from err
