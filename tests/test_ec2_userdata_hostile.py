@@ -133,3 +133,21 @@ def test_a_damaged_status_object_is_a_host_failure(raw, status, reason):
     from fp16_sdk.backends.ec2_job import _parse_status
     got = _parse_status("algo-1", raw)
     assert got["status"] == status and reason in got["reason"], got
+
+
+@pytest.mark.parametrize("uri, keys, want", [
+    ("s3://data/train", ["train/a.csv", "train/sub/b.csv"], ["a.csv", "sub/b.csv"]),
+    ("s3://data/a/b/train", ["a/b/train/a.csv", "a/b/train/sub/b.csv"], ["a.csv", "sub/b.csv"]),
+    ("s3://data/a/b/train/", ["a/b/train/a.csv"], ["a.csv"]),
+    ("s3://data/a/tr", ["a/train/x.csv", "a/trial.csv"], ["train/x.csv", "trial.csv"]),
+])
+def test_nested_prefix_lands_where_sagemaker_puts_it(uri, keys, want):
+    from fp16_sdk.inputs import Channel
+    with moto.mock_aws():
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="data")
+        for key in keys:
+            s3.put_object(Bucket="data", Key=key, Body=b"1")
+        spec = JobSpec(**{**_spec().__dict__, "channels": (Channel("train", uri),)})
+        rows = channel_manifest(spec, s3)["algo-1"].splitlines()
+    assert [row.split("\t")[2] for row in rows] == want

@@ -91,9 +91,12 @@ def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
         if not keys:
             raise ConfigError(f"input channel {channel.name!r}: no objects under {channel.uri}",
                               key=f"inputs[{channel.name}]", value=channel.uri)
-        base = prefix if prefix.endswith("/") or not prefix else prefix.rsplit("/", 1)[0] + "/"
+        # A prefix names a folder when keys lie under "<prefix>/" (SageMaker puts them relative
+        # to it, however deep the prefix); a partial name ("data/tr") keeps the matched part.
+        folder = prefix if prefix.endswith("/") or not prefix else prefix + "/"
+        parent = prefix[:prefix.rfind("/") + 1]
         for index, key in enumerate(sorted(keys)):
-            rel = key[len(base):] if key.startswith(base) else key.rsplit("/", 1)[-1]
+            rel = key[len(folder):] if key.startswith(folder) else key[len(parent):]
             if "\t" in key or "\n" in key:
                 raise ConfigError(f"S3 key {key!r} has a tab or newline", key="inputs", value=key)
             try:  # the same containment rule as code extraction: the file stays in its channel
