@@ -34,13 +34,15 @@ from fp16_sdk.backends.base import LOCAL_TYPES, Channel, JobHandle, JobSpec, bac
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.inputs import INPUT_MODES, TrainingInput, channels_from_inputs
 
-__all__ = ["Estimator", "name_from_base", "base_name_from_image", "JOB_NAME_PATTERN"]
+__all__ = ["Estimator", "name_from_base", "base_name_from_image", "claim_job_folder",
+           "JOB_NAME_PATTERN"]
 
 logger = logging.getLogger(__name__)
 
 JOB_NAME_PATTERN = r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}"
-_JOB_NAME = re.compile(f"^{JOB_NAME_PATTERN}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Matched with fullmatch: `$` would also accept a trailing newline.
+_JOB_NAME = re.compile(JOB_NAME_PATTERN)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_REGION = "us-east-1"
 # CreateTrainingJob limits.
 MAX_HYPERPARAMETERS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
@@ -69,7 +71,37 @@ def base_name_from_image(image: str) -> str:
 
 
 def _fail(key: str, value: Any, fix: str) -> ConfigError:
-    return ConfigError(f"{key}={value!r} {fix}", key=key, value=value)
+    return ConfigError(f"{key}={_shorten(value)} {fix}", key=key, value=value)
+
+
+def _shorten(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: errors name a value, they do not echo 4 MB."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _strings_in(value: Any):
+    """Every str inside a JSON-shaped value (dict keys included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings_in(k)
+            yield from _strings_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings_in(v)
+
+
+def claim_job_folder(jobs: Path, name: str) -> bool:
+    """Create `jobs/name` exclusively; False if it exists. A local job is claimed this way,
+    so two processes given the same job_name can never share (or delete) one folder."""
+    jobs.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(jobs / name)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: int | None = None,
@@ -101,6 +133,15 @@ def encode_hyperparameters(raw: dict) -> dict[str, str]:
     for key, value in raw.items():
         if not isinstance(key, str) or not key:
             raise _fail("hyperparameters", key, "keys must be non-empty strings")
+        # The container passes each one as `--key value` and SM_HP_<KEY>=value: an
+        # environment variable name cannot hold '=' and no argv/env string can hold NUL.
+        if "=" in key or "\x00" in key:
+            raise _fail("hyperparameters", key, "keys must not contain '=' or NUL (they become "
+                        "SM_HP_<KEY> environment variables); rename the key")
+        if any("\x00" in text for text in _strings_in(value)):
+            raise ConfigError(f"hyperparameters[{key!r}]={_shorten(value)} contains a NUL "
+                              "character, which no command-line argument or environment "
+                              "variable can hold; remove it", key=key, value=value)
         try:
             out[key] = json.dumps(value)
         except (TypeError, ValueError) as exc:
@@ -380,7 +421,7 @@ class Estimator:
             raise _fail("checkpoint_local_path", cpl, "must be an absolute path such as "
                         "'/opt/ml/checkpoints'")
         if self.base_job_name is not None and (not isinstance(self.base_job_name, str)
-                                               or not _JOB_NAME.match(self.base_job_name)):
+                                               or not _JOB_NAME.fullmatch(self.base_job_name)):
             raise _fail("base_job_name", self.base_job_name, "must match "
                         f"{JOB_NAME_PATTERN} (letters, digits, single hyphens inside)")
 
@@ -396,13 +437,14 @@ class Estimator:
         if len(env) > MAX_ENV:
             raise _fail("environment", f"{len(env)} entries", f"exceeds the limit of {MAX_ENV}")
         for key, value in env.items():
-            if not isinstance(key, str) or not _ENV_NAME.match(key) or len(key) > MAX_ENV_KEY:
+            if not isinstance(key, str) or not _ENV_NAME.fullmatch(key) or len(key) > MAX_ENV_KEY:
                 raise _fail("environment", key, "keys must be variable names "
                             "([A-Za-z_][A-Za-z0-9_]*, <= 512 chars)")
             if not isinstance(value, str) or len(value) > MAX_ENV_VALUE:
-                raise ConfigError(f"environment[{key!r}]={value!r} must be a string of at most "
-                                  f"{MAX_ENV_VALUE} chars (write str({value!r}))", key=key,
-                                  value=value)
+                shown = _shorten(value)
+                raise ConfigError(f"environment[{key!r}]={shown} must be a string of at most "
+                                  f"{MAX_ENV_VALUE} chars (write str(...) or shorten it)",
+                                  key=key, value=shown)
         self._validate_metric_definitions()
         if len(self.tags) > MAX_TAGS or not all(
                 isinstance(t, dict) and set(t) == {"Key", "Value"} for t in self.tags):
@@ -472,7 +514,7 @@ class Estimator:
 
     def _job_name(self, job_name: str | None) -> str:
         if job_name is not None:
-            if not isinstance(job_name, str) or not _JOB_NAME.match(job_name):
+            if not isinstance(job_name, str) or not _JOB_NAME.fullmatch(job_name):
                 raise _fail("job_name", job_name, f"must match {JOB_NAME_PATTERN} "
                             "(<= 63 letters/digits, single hyphens inside)")
             return job_name
@@ -533,8 +575,13 @@ class Estimator:
         })
         hyperparameters = {**encode_hyperparameters(self._hyperparameters),
                            **encode_hyperparameters(self._framework_hyperparameters()), **reserved}
-        check_hyperparameter_limits(hyperparameters)
-        sourcedir = self._package(name, output_path)
+        try:
+            check_hyperparameter_limits(hyperparameters)
+        except ConfigError:
+            if self._local:  # the claimed folder is still empty: give the name back
+                shutil.rmtree(Path(output_path[len("file://"):]) / name, ignore_errors=True)
+            raise
+        sourcedir = self._package(name, output_path)  # removes the claimed folder on failure
         spec = self._job_spec(name, hyperparameters, sourcedir, channels, output_path)
         self._reserved, self._current_job_name = reserved, name
         try:
@@ -580,12 +627,13 @@ class Estimator:
         if not self._local:
             return name
         jobs = Path(output_path[len("file://"):])
-        while job_name is None and (jobs / name).exists():  # two fit()s in one millisecond
-            time.sleep(0.001)
+        while not claim_job_folder(jobs, name):
+            if job_name is not None:
+                raise _fail("job_name", name, f"is already used ({jobs / name} exists, made "
+                            "by an earlier or a concurrent fit()); pick a new name or leave "
+                            "job_name unset")
+            time.sleep(0.001)  # two fit()s in one millisecond: the next name differs
             name = self._job_name(None)
-        if (jobs / name).exists():
-            raise _fail("job_name", name, f"is already used ({jobs / name} exists); pick a new "
-                        "name or leave job_name unset")
         return name
 
     def _package(self, name: str, output_path: str) -> Path:

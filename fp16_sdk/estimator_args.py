@@ -159,7 +159,7 @@ class SageMakerArgs:
         """
         for key in ("volume_kms_key", "output_kms_key"):
             value = getattr(self, key)
-            if value is not None and not (isinstance(value, str) and _KMS.match(value)):
+            if value is not None and not (isinstance(value, str) and _KMS.fullmatch(value)):
                 raise _fail(key, value, "must be a KMS key id, alias or ARN "
                             "(letters, digits, ':', '/', '_', '-')")
         for key in ("encrypt_inter_container_traffic", "enable_sagemaker_metrics",

@@ -72,7 +72,7 @@ class HuggingFace(PyTorch):
                 value=self.tensorflow_version)
         for key in ("transformers_version", "pytorch_version"):
             value = getattr(self, key)
-            if value is not None and not (isinstance(value, str) and _VERSION.match(value)):
+            if value is not None and not (isinstance(value, str) and _VERSION.fullmatch(value)):
                 raise ConfigError(f"{key}={value!r} must look like '4.17' or '4.17.0'", key=key,
                                   value=value)
         if self.image_uri is None:

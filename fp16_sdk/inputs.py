@@ -87,7 +87,7 @@ class TrainingInput:
 
 
 # CreateTrainingJob's ChannelName pattern.
-_CHANNEL_NAME = re.compile(r"^[A-Za-z0-9\.\-_]{1,64}$")
+_CHANNEL_NAME = re.compile(r"[A-Za-z0-9.\-_]{1,64}")  # fullmatch: `$` accepts a final "\n"
 
 
 def channels_from_inputs(inputs, *, local: bool) -> tuple[Channel, ...]:
@@ -116,10 +116,12 @@ def channels_from_inputs(inputs, *, local: bool) -> tuple[Channel, ...]:
             "name -> URI/TrainingInput", key="inputs", value=inputs)
     channels, seen = [], {}
     for name, source in inputs.items():
-        if not isinstance(name, str) or not _CHANNEL_NAME.match(name):
+        if not isinstance(name, str) or not _CHANNEL_NAME.fullmatch(name) or \
+                name in (".", ".."):  # a channel is a folder under /opt/ml/input/data
             raise ConfigError(
                 f"inputs channel name {name!r} is not valid: use 1-64 characters of "
-                "letters, digits, '.', '-' or '_'", key="inputs", value=name)
+                "letters, digits, '.', '-' or '_' (not '.' or '..')", key="inputs",
+                value=name)
         env_name = name.upper()  # the container exposes it as SM_CHANNEL_<NAME>
         if env_name in seen:
             raise ConfigError(

@@ -5,8 +5,8 @@ archive root, or the lone entry file; every dependency at the root under its bas
 makes the result reproducible: the same inputs give a byte-identical tarball, so uploads can
 be skipped by hash and a job's code can be compared across runs.
 
-`safe_extract` refuses any member that would land outside the target. It is used for every
-code archive (toolkit, backends), never `tarfile.extractall` directly.
+`safe_extract` (defined in `fp16_sdk.extraction`, re-exported here) is the only way any code
+archive is extracted (toolkit, backends); tarfile's own extraction is never used.
 
 No torch, no boto3: this module is imported by the SDK side and by the container toolkit.
 """
@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from fp16_sdk.errors import PackagingError, UnsafeArchiveError
+from fp16_sdk.errors import PackagingError
+from fp16_sdk.extraction import safe_extract
 
 __all__ = ["SOURCEDIR_NAME", "EXCLUDED_NAMES", "build_sourcedir", "safe_extract"]
 
@@ -191,83 +192,3 @@ def _write_tarball(raw, members: dict[str, Path]) -> None:
                 info.size = path.stat().st_size
                 with path.open("rb") as fh:
                     tar.addfile(info, fh)
-
-
-def safe_extract(tar_path: str | os.PathLike, target: Path) -> None:
-    """Extract a (possibly compressed) tarball into `target`, refusing hostile members.
-
-    Every member is checked before anything is written: absolute names, names whose `..`
-    leads outside `target`, symlinks or hardlinks whose destination is outside `target`, and
-    device files / FIFOs are refused. During extraction each destination is checked again
-    against the real (symlink-resolved) path on disk, and Python's "data" filter drops
-    ownership and setuid bits.
-
-    Args:
-        tar_path: the tarball (gzip, bzip2, xz or plain).
-        target: folder to extract into (created if missing).
-
-    Raises:
-        UnsafeArchiveError: naming the first offending member and why.
-        PackagingError: the file is not a readable tarball.
-    """
-    target = Path(target)
-    target.mkdir(parents=True, exist_ok=True)
-    root = os.path.realpath(target)
-    try:
-        tar = tarfile.open(tar_path, "r:*")
-    except (tarfile.TarError, OSError) as exc:
-        raise PackagingError(f"cannot read code archive {str(tar_path)!r}: {exc}") from exc
-    with tar:
-        members = tar.getmembers()
-        for member in members:
-            _check_member(member, root, tar_path)
-        for member in members:
-            dest = os.path.realpath(os.path.join(root, member.name))
-            if not _inside(dest, root):
-                _refuse(tar_path, member, f"resolves through a link to {dest}, outside {root}")
-            try:
-                if _DATA_FILTER is not None:
-                    tar.extract(member, root, filter=_DATA_FILTER)
-                else:  # Python < 3.11.4 / 3.10.12: our own checks above are the filter
-                    member.mode &= 0o777
-                    tar.extract(member, root, set_attrs=not member.issym())
-            except _FILTER_ERRORS as exc:
-                _refuse(tar_path, member, f"is refused by the data filter ({exc})")
-
-
-# tarfile's extraction filters arrived in 3.11.4 / 3.10.12 (bookworm ships 3.11.2).
-_DATA_FILTER = getattr(tarfile, "data_filter", None)
-_FILTER_ERRORS = (getattr(tarfile, "FilterError"),) if hasattr(tarfile, "FilterError") else ()
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def _refuse(tar_path, member: tarfile.TarInfo, why: str):
-    raise UnsafeArchiveError(
-        f"refusing to extract {str(tar_path)!r}: member {member.name!r} {why}; rebuild the "
-        "archive with paths relative to its root (fp16_sdk.packaging.build_sourcedir does)")
-
-
-def _check_member(member: tarfile.TarInfo, root: str, tar_path) -> None:
-    name = member.name
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        _refuse(tar_path, member, "has an absolute path")
-    dest = os.path.normpath(os.path.join(root, name))
-    if not _inside(dest, root):
-        _refuse(tar_path, member, f"escapes the target with '..' (would write {dest})")
-    if member.isdev():
-        _refuse(tar_path, member, "is a device file or FIFO")
-    if member.issym():
-        if os.path.isabs(member.linkname):
-            _refuse(tar_path, member, f"is a symlink to the absolute path {member.linkname!r}")
-        link_dest = os.path.normpath(os.path.join(os.path.dirname(dest), member.linkname))
-        if not _inside(link_dest, root):
-            _refuse(tar_path, member, f"is a symlink pointing outside the target "
-                                      f"({member.linkname!r})")
-    if member.islnk():
-        link_dest = os.path.normpath(os.path.join(root, member.linkname))
-        if os.path.isabs(member.linkname) or not _inside(link_dest, root):
-            _refuse(tar_path, member, f"is a hardlink pointing outside the target "
-                                      f"({member.linkname!r})")

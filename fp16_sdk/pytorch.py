@@ -147,12 +147,12 @@ class PyTorch(Estimator):
                 "(e.g. '2.1.0') and py_version (e.g. 'py310'), or give image_uri", key=missing)
         if self.framework_version is not None and (
                 not isinstance(self.framework_version, str)
-                or not _FRAMEWORK_VERSION.match(self.framework_version)):
+                or not _FRAMEWORK_VERSION.fullmatch(self.framework_version)):
             raise ConfigError(f"framework_version={self.framework_version!r} must look like "
                               "'2.1' or '2.1.0'", key="framework_version",
                               value=self.framework_version)
         if self.py_version is not None and (not isinstance(self.py_version, str)
-                                            or not _PY_VERSION.match(self.py_version)):
+                                            or not _PY_VERSION.fullmatch(self.py_version)):
             raise ConfigError(f"py_version={self.py_version!r} must look like 'py3' or 'py310'",
                               key="py_version", value=self.py_version)
 
@@ -174,7 +174,7 @@ class PyTorch(Estimator):
     def _default_enable_sagemaker_metrics(self) -> bool | None:
         # The real PyTorch estimator turns SageMaker metrics on from PyTorch 1.3.
         version = self.framework_version
-        if not isinstance(version, str) or not _FRAMEWORK_VERSION.match(version):
+        if not isinstance(version, str) or not _FRAMEWORK_VERSION.fullmatch(version):
             return None
         return tuple(int(p) for p in version.split(".")[:2]) >= (1, 3)
 

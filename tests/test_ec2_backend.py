@@ -157,10 +157,11 @@ def test_sharded_channel_manifest_matches_a_hand_table(infra, aws, tmp_path):
 def test_environment_values_survive_shell_quoting(infra, aws, tmp_path):
     session = ec2_session(infra)
     EC2Backend(session).submit(make_spec(tmp_path))
-    env_sh = session.read_bytes("s3://out-bucket/ec2-job-1/ec2/config/algo-1/env.sh").decode()
-    value = subprocess.run(["bash", "-c", env_sh + '\nprintf %s "$QUOTED"'], check=True,
-                           capture_output=True, text=True).stdout
-    assert value == "it's $(not run) `x`"
+    table = session.read_bytes("s3://out-bucket/ec2-job-1/ec2/config/algo-1/env.tsv").decode()
+    name, b64 = table.rstrip("\n").split("\t")
+    value = subprocess.run(["base64", "-d"], input=b64, check=True, capture_output=True,
+                           text=True).stdout  # what the instance script runs
+    assert (name, value) == ("QUOTED", "it's $(not run) `x`")
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -327,3 +328,17 @@ def test_pytorch_estimator_with_ec2_session_launches_instances(infra, aws, tmp_p
     assert resources["current_host"] == "algo-2" and resources["hosts"] == ["algo-1", "algo-2"]
     estimator.latest_training_job.stop()
     assert estimator.latest_training_job.status == JobStatus.STOPPED
+
+
+def test_ctrl_c_between_run_instances_leaks_no_instance(infra, aws, tmp_path, monkeypatch):
+    real = EC2Backend._run_request
+
+    def interrupted(self, spec, *, host, **kw):
+        if host == "algo-2":  # the first instance is already running
+            raise KeyboardInterrupt
+        return real(self, spec, host=host, **kw)
+    monkeypatch.setattr(EC2Backend, "_run_request", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        EC2Backend(ec2_session(infra), out=io.StringIO()).submit(make_spec(tmp_path))
+    ec2 = aws.client("ec2")
+    assert instance(ec2, "ec2-job-1", "algo-1")["State"]["Name"] == "terminated"

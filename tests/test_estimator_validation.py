@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,7 +100,14 @@ BAD = [
     ("hp-value-long", dict(hyperparameters={"big": "v" * 2499}), None, "big"),
     ("hp-not-json", dict(hyperparameters={"fn": object()}), None, "fn"),
     ("hp-not-dict", dict(hyperparameters=[("a", 1)]), None, "hyperparameters"),
+    ("hp-key-equals", dict(hyperparameters={"lr=0.1": 1}), None, "lr=0.1"),
+    ("hp-value-nul", dict(hyperparameters={"text": "a\x00b"}), None, "text"),
+    ("hp-nested-nul", dict(hyperparameters={"cfg": {"k": ["ok", "x\x00"]}}), None, "cfg"),
     ("base-name-bad", dict(base_job_name="my_job"), None, "base_job_name"),
+    ("base-name-newline", dict(base_job_name="exp\n"), None, "base_job_name"),
+    ("framework-version-newline", dict(framework_version="2.1.0\n"), None, "framework_version"),
+    ("py-version-newline", dict(py_version="py310\n"), None, "py_version"),
+    ("env-key-newline", dict(environment={"SEED\n": "1"}), None, "environment"),
     ("output-s3-local", dict(output_path="s3://bucket/out"), None, "output_path"),
     ("output-file-remote", dict(instance_type="ml.m5.xlarge", image_uri=REMOTE_IMAGE,
                                 output_path="file:///tmp/out"), None, "output_path"),
@@ -150,6 +159,10 @@ BAD = [
     ("inputs-bad-distribution", {}, dict(inputs="TI:Sharded"), "distribution"),
     ("job-name-pattern", {}, dict(job_name="my_job"), "job_name"),
     ("job-name-long", {}, dict(job_name="a" * 64), "job_name"),
+    ("job-name-newline", {}, dict(job_name="job\n"), "job_name"),
+    ("inputs-dot", {}, dict(inputs={".": "file://DATA"}), "inputs"),
+    ("inputs-dotdot", {}, dict(inputs={"..": "file://DATA"}), "inputs"),
+    ("inputs-newline", {}, dict(inputs={"train\n": "file://DATA"}), "inputs"),
     ("logs-value", {}, dict(logs="verbose"), "logs"),
     ("wait-not-bool", {}, dict(wait="no"), "wait"),
 ]
@@ -332,6 +345,41 @@ def test_job_name_reuse_is_refused(workdir, recorder):
     with pytest.raises(ConfigError, match="job_name"):
         est.fit(job_name="same", wait=False)
     assert len(recorder.specs) == 1
+
+
+def test_over_long_env_value_is_not_echoed_whole(workdir):
+    value = "secret-" + "v" * (estimator_mod.MAX_ENV_VALUE + 10)
+    with pytest.raises(ConfigError, match="BIG") as err:
+        make(workdir, environment={"BIG": value})
+    assert len(str(err.value)) < 400 and f"{len(repr(value))} chars" in str(err.value)
+
+
+def test_explicit_job_name_already_claimed_is_refused(workdir, recorder):
+    (workdir / "jobs" / "taken").mkdir(parents=True)  # e.g. another process's live job
+    with pytest.raises(ConfigError, match="'taken' is already used"):
+        make(workdir).fit(job_name="taken", wait=False)
+    assert recorder.specs == [] and list((workdir / "jobs" / "taken").iterdir()) == []
+
+
+def _race(jobs: str, names: list[str], start: float, queue) -> None:
+    while time.time() < start:  # both processes leave this loop at the same instant
+        pass
+    queue.put([n for n in names if estimator_mod.claim_job_folder(Path(jobs), n)])
+
+
+def test_two_processes_never_claim_one_job_folder(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    queue, names = ctx.Queue(), [f"job-{i}" for i in range(200)]
+    start = time.time() + 3
+    procs = [ctx.Process(target=_race, args=(str(tmp_path), names, start, queue))
+             for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    won = [queue.get(timeout=60) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    assert sorted(won[0] + won[1]) == sorted(names)  # every name claimed exactly once
+    assert not set(won[0]) & set(won[1])
 
 
 def test_import_pytorch_does_not_import_torch():

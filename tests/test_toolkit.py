@@ -529,6 +529,18 @@ def test_hostile_code_tarball_fails_the_job(tmp_path):
     assert not (tmp_path / "escaped.py").exists()
 
 
+@pytest.mark.parametrize("hps, named", [({"lr=0.1": 1}, "'SM_HP_LR=0.1'"),
+                                        ({"text": "a\x00b"}, "'SM_HP_TEXT'")])
+def test_unpassable_hyperparameter_ends_in_a_failure_file(tmp_path, hps, named):
+    """The estimator refuses these; a hyperparameters.json written by anything else must
+    still end in a failure file, not a toolkit traceback."""
+    base = make_job(tmp_path, {"train.py": "print('never')\n"}, hps)
+    proc = run_toolkit(base)
+    text = (base / "output" / "failure").read_text()
+    assert proc.returncode == 1 and "never" not in proc.stdout
+    assert text.startswith("ExitCode 1\n") and f"environment variable {named}" in text, text
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while not predicate():

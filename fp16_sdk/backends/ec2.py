@@ -8,13 +8,14 @@ private addresses (`hosts.json`). The handle waits on `ec2/status/<host>.json`, 
 `ec2/logs/<host>.log`, and terminates every instance on stop(), failure or timeout.
 
 S3 layout of a job (next to `source/sourcedir.tar.gz`):
-    ec2/config/algo-N/{hyperparameters,resourceconfig,inputdataconfig}.json, env.sh, manifest.tsv
+    ec2/config/algo-N/{hyperparameters,resourceconfig,inputdataconfig}.json, env.tsv, manifest.tsv
     ec2/hosts.json, ec2/hosts.txt, ec2/job.json, ec2/logs/algo-N.log, ec2/status/algo-N.json
 Artifacts land where SageMaker puts them: `<output_path>/<job>/output/{model,output}.tar.gz`.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.resources
 import dataclasses
 import json
@@ -25,14 +26,15 @@ import time
 from typing import Any, TextIO
 
 from ..errors import BackendError, ConfigError
+from ..extraction import relative_parts
 from ..session import EC2Session, parse_s3_uri
 from .base import Backend, JobSpec
 from .ec2_job import EC2Job
 from .sagemaker import check_remote_spec, code_uri
 
-__all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest"]
+__all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest", "env_table"]
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` accepts a final "\n"
 _SETTINGS_LINE = "# @@FP16_SDK_SETTINGS@@"
 USER_DATA_LIMIT = 16384  # EC2's limit on raw user data, in bytes
 
@@ -42,7 +44,7 @@ def render_user_data(settings: dict[str, str]) -> str:
     template = importlib.resources.files(__package__).joinpath("ec2_userdata.sh").read_text()
     lines = []
     for name, value in settings.items():
-        assert _ENV_NAME.match(name), name
+        assert _ENV_NAME.fullmatch(name), name
         lines.append(f"{name}={shlex.quote(str(value))}")
     return template.replace(_SETTINGS_LINE, "\n".join(lines), 1)
 
@@ -89,11 +91,24 @@ def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
         if not keys:
             raise ConfigError(f"input channel {channel.name!r}: no objects under {channel.uri}",
                               key=f"inputs[{channel.name}]", value=channel.uri)
-        base = prefix if prefix.endswith("/") or not prefix else prefix.rsplit("/", 1)[0] + "/"
+        # A prefix names a folder when keys lie under "<prefix>/" (SageMaker puts them relative
+        # to it, however deep the prefix); a partial name ("data/tr") keeps the matched part.
+        folder = prefix if prefix.endswith("/") or not prefix else prefix + "/"
+        parent = prefix[:prefix.rfind("/") + 1]
         for index, key in enumerate(sorted(keys)):
-            rel = key[len(base):] if key.startswith(base) else key.rsplit("/", 1)[-1]
+            rel = key[len(folder):] if key.startswith(folder) else key[len(parent):]
             if "\t" in key or "\n" in key:
                 raise ConfigError(f"S3 key {key!r} has a tab or newline", key="inputs", value=key)
+            try:  # the same containment rule as code extraction: the file stays in its channel
+                rel = "/".join(relative_parts(rel))
+            except ValueError as exc:
+                raise ConfigError(f"input channel {channel.name!r}: S3 key {key!r} {exc}; it "
+                                  "cannot be placed under /opt/ml/input/data, rename the "
+                                  "object", key=f"inputs[{channel.name}]", value=key) from None
+            if not rel:
+                raise ConfigError(f"input channel {channel.name!r}: S3 key {key!r} names no "
+                                  "file inside the channel; rename the object",
+                                  key=f"inputs[{channel.name}]", value=key)
             targets = (spec.hosts if channel.distribution == "FullyReplicated"
                        else [spec.hosts[index % spec.instance_count]])
             for host in targets:
@@ -101,14 +116,19 @@ def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
     return {host: "".join(line + "\n" for line in rows) for host, rows in lines.items()}
 
 
-def _env_script(spec: JobSpec) -> str:
-    for name, value in spec.environment.items():
-        if not _ENV_NAME.match(name):
+def env_table(spec: JobSpec) -> str:
+    """env.tsv: one `NAME<TAB>base64(value)` line per variable of the job's environment.
+
+    Data, not shell code: the instance script passes these to the training process only
+    (`env NAME=value` / `docker run -e NAME=value`), never into its own variables, so a key
+    such as IMAGE or OUTPUT_URI cannot redirect the job.
+    """
+    for name in spec.environment:
+        if not _ENV_NAME.fullmatch(name):
             raise ConfigError(f"environment variable name {name!r} is not a valid shell name",
                               key="environment", value=name)
-    lines = [f"export {name}={shlex.quote(str(value))}" for name, value in spec.environment.items()]
-    lines.append(f"JOB_ENV_NAMES={shlex.quote(' '.join(spec.environment))}")
-    return "\n".join(lines) + "\n"
+    return "".join(f"{name}\t{base64.b64encode(str(value).encode()).decode()}\n"
+                   for name, value in spec.environment.items())
 
 
 class EC2Backend(Backend):
@@ -146,23 +166,29 @@ class EC2Backend(Backend):
         output_uri = f"{output_root.rstrip('/')}/{spec.job_name}"
         manifests = channel_manifest(spec, self.session.client("s3"))
         self.session.upload_file(spec.sourcedir, submit_uri)
-        env_script = _env_script(spec)
+        env = env_table(spec)
         for host, files in host_configs(spec, submit_uri=submit_uri, region=region).items():
-            files = {**files, "env.sh": env_script, "manifest.tsv": manifests[host]}
+            files = {**files, "env.tsv": env, "manifest.tsv": manifests[host]}
             for name, text in files.items():
                 self.session.upload_bytes(text.encode(), f"{job_uri}/ec2/config/{host}/{name}")
         instances = self._launch_all(spec, job_uri=job_uri, output_uri=output_uri, region=region)
-        addresses = {host: inst["PrivateIpAddress"] for host, inst in instances.items()}
-        self.session.upload_bytes(json.dumps(addresses).encode(), f"{job_uri}/ec2/hosts.json")
-        hosts_txt = "".join(f"{ip} {host}\n" for host, ip in addresses.items())
-        self.session.upload_bytes(hosts_txt.encode(), f"{job_uri}/ec2/hosts.txt")
-        record = {"job_name": spec.job_name, "job_uri": job_uri, "output_uri": output_uri,
-                  "instance_type": spec.instance_type, "volume_size": spec.volume_size,
-                  "max_run": spec.max_run, "submitted": time.time(),
-                  "instances": {h: {"InstanceId": i["InstanceId"],
-                                    "PrivateIpAddress": i["PrivateIpAddress"]}
-                                for h, i in instances.items()}}
-        self.session.upload_bytes(json.dumps(record, indent=1).encode(), f"{job_uri}/ec2/job.json")
+        try:  # until the job record exists, nothing else knows these instances: never leak them
+            addresses = {host: inst["PrivateIpAddress"] for host, inst in instances.items()}
+            self.session.upload_bytes(json.dumps(addresses).encode(), f"{job_uri}/ec2/hosts.json")
+            hosts_txt = "".join(f"{ip} {host}\n" for host, ip in addresses.items())
+            self.session.upload_bytes(hosts_txt.encode(), f"{job_uri}/ec2/hosts.txt")
+            record = {"job_name": spec.job_name, "job_uri": job_uri, "output_uri": output_uri,
+                      "instance_type": spec.instance_type, "volume_size": spec.volume_size,
+                      "max_run": spec.max_run, "submitted": time.time(),
+                      "instances": {h: {"InstanceId": i["InstanceId"],
+                                        "PrivateIpAddress": i["PrivateIpAddress"]}
+                                    for h, i in instances.items()}}
+            self.session.upload_bytes(json.dumps(record, indent=1).encode(),
+                                      f"{job_uri}/ec2/job.json")
+        except BaseException:
+            self.session.client("ec2").terminate_instances(
+                InstanceIds=[i["InstanceId"] for i in instances.values()])
+            raise
         return EC2Job(self.session, record, out=self.out)
 
     def attach(self, job_uri: str) -> EC2Job:
@@ -192,10 +218,10 @@ class EC2Backend(Backend):
                                             root_device=root_device)
                 launched[host] = ec2.run_instances(**request)["Instances"][0]
             return self._with_addresses(ec2, launched)
-        except Exception as err:
+        except BaseException as err:  # Ctrl-C between two RunInstances too: none is leaked
             if launched:
                 ec2.terminate_instances(InstanceIds=[i["InstanceId"] for i in launched.values()])
-            if isinstance(err, (BackendError, ConfigError)):
+            if isinstance(err, (BackendError, ConfigError)) or not isinstance(err, Exception):
                 raise
             message = getattr(err, "response", {}).get("Error", {}).get("Message", str(err))
             raise BackendError(f"RunInstances for {spec.job_name} failed: {message}") from err

@@ -41,6 +41,20 @@ class _S3LogFollower:
         return [f"{self.host} | {line.decode(errors='replace')}" for line in lines]
 
 
+def _parse_status(host: str, raw: bytes) -> dict:
+    """A host's status object; one that is not valid JSON (a reason cut mid-character, a
+    torn upload) is a failure of that host, never an exception in wait()."""
+    text = raw[:65536].decode("utf-8", errors="replace")  # a cut character becomes U+FFFD
+    try:
+        status = json.loads(text)
+    except ValueError:
+        status = None
+    if not isinstance(status, dict):
+        return {"host": host, "status": "Failed", "exit_code": None,
+                "reason": f"unreadable status object from {host}: {text[:200]!r}"}
+    return status
+
+
 class EC2Job(JobHandle):
     """One job running on EC2 instances (see the module docstring)."""
 
@@ -68,7 +82,7 @@ class EC2Job(JobHandle):
         for host in self._hosts:
             raw = self.session.read_bytes(f"{self.record['job_uri']}/ec2/status/{host}.json")
             if raw is not None:
-                found[host] = json.loads(raw)
+                found[host] = _parse_status(host, raw)
         return found
 
     def _instance_states(self) -> dict[str, str]:

@@ -15,6 +15,10 @@
 #   5. shut down ($FP16_SDK_SHUTDOWN; the instance was launched to terminate on shutdown).
 # The code itself is fetched by the toolkit from sagemaker_submit_directory, as on SageMaker.
 # Credentials come from the instance profile (or the environment); none are written here.
+# Nothing the user controls is run as shell code: the job's environment (env.tsv, base64
+# values) reaches the training process as NAME=value arguments and never this script's
+# variables; channel paths from manifest.tsv must stay inside their channel; every file list
+# given to tar follows `--`.
 set -u
 
 # @@FP16_SDK_SETTINGS@@
@@ -123,9 +127,14 @@ layout_opt_ml() {
         for name in hyperparameters.json resourceconfig.json inputdataconfig.json; do
             echo "$cfg/$name$tab$ML_ROOT/input/config/$name"
         done
-        echo "$cfg/env.sh$tab$WORK/env.sh"
+        echo "$cfg/env.tsv$tab$WORK/env.tsv"
         while IFS="$tab" read -r channel uri rel; do
             [ -n "$channel" ] || continue
+            case "/$channel/$rel/" in  # the SDK checked these; an edited manifest is refused
+                *"/../"*|*"/./"*|*"//"*)
+                    STAGE="refusing manifest.tsv path $channel/$rel (it leaves its channel)"
+                    say "$STAGE" >&2; exit 1 ;;
+            esac
             echo "$uri$tab$ML_ROOT/input/data/$channel/$rel"
             count=$((count + 1))
         done < "$WORK/manifest.tsv"
@@ -173,26 +182,43 @@ run_container_docker() {
     STAGE="pulling $IMAGE"
     pull_image || return 1
     STAGE="training"
-    local gpus="" envs="" name
+    local -a flags=() pair
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        gpus="--gpus all"
+        flags+=(--gpus all)
     fi
-    for name in $JOB_ENV_NAMES FP16_SDK_HOST_ADDRESSES AWS_DEFAULT_REGION \
-                AWS_ENDPOINT_URL AWS_ENDPOINT_URL_S3; do
-        if [ -n "${!name+set}" ]; then envs="$envs -e $name"; fi
-    done
-    # shellcheck disable=SC2086  # $gpus and $envs are lists of flags built above
-    with_limit docker run --rm --name "fp16-sdk-$CURRENT_HOST" --network host --ipc host $gpus $envs \
-        -v "$ML_ROOT:/opt/ml" "$IMAGE" train
+    for pair in "${RUN_ENV[@]}"; do flags+=(-e "$pair"); done
+    with_limit docker run --rm --name "fp16-sdk-$CURRENT_HOST" --network host --ipc host \
+        "${flags[@]}" -v "$ML_ROOT:/opt/ml" "$IMAGE" train
 }
 
 run_train_direct() {
     STAGE="training"
-    (cd / && export SAGEMAKER_BASE_DIR="$ML_ROOT" && with_limit train)
+    (cd / && with_limit env "${RUN_ENV[@]}" SAGEMAKER_BASE_DIR="$ML_ROOT" train)
 }
 
 tarball() {  # dir dest: the folder's contents at the archive root
-    (cd "$1" && find . -mindepth 1 -maxdepth 1 | sed 's|^\./||' | tar -czf "$2" -T -)
+    local -a names=()
+    local name
+    while IFS= read -r -d '' name; do names+=("$name"); done \
+        < <(cd "$1" && find . -mindepth 1 -maxdepth 1 -printf '%P\0')
+    if [ "${#names[@]}" = 0 ]; then (cd "$1" && tar -czf "$2" -T /dev/null); return; fi
+    (cd "$1" && tar -czf "$2" -- "${names[@]}")  # `--`: a file named -x is a file
+}
+
+load_run_env() {  # RUN_ENV=(NAME=value ...): AWS settings, env.tsv's (base64), host list
+    RUN_ENV=("AWS_DEFAULT_REGION=$AWS_DEFAULT_REGION")  # later entries win
+    local name b64 value tab
+    for name in AWS_ENDPOINT_URL AWS_ENDPOINT_URL_S3; do
+        if [ -n "${!name:-}" ]; then RUN_ENV+=("$name=${!name}"); fi
+    done
+    tab="$(printf '\t')"
+    while IFS="$tab" read -r name b64; do
+        [ -n "$name" ] || continue
+        [[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || fail "env.tsv: bad variable name"
+        value="$(printf '%s' "$b64" | base64 -d && printf x)" || fail "env.tsv: bad value of $name"
+        RUN_ENV+=("$name=${value%x}")
+    done < "$WORK/env.tsv"
+    RUN_ENV+=("FP16_SDK_HOST_ADDRESSES=$FP16_SDK_HOST_ADDRESSES")
 }
 
 upload_artifacts() {
@@ -211,9 +237,8 @@ shutdown_instance() { shutdown -h now 2>/dev/null || poweroff; }
 main() {
     say "job $JOB_NAME, host $CURRENT_HOST, runner $FP16_SDK_RUNNER"
     layout_opt_ml || fail "could not lay out $ML_ROOT from $JOB_URI ($STAGE)"
-    # shellcheck disable=SC1091  # written by the SDK with shell-quoted values
-    . "$WORK/env.sh"
     resolve_hosts || fail "could not resolve the hosts"
+    load_run_env
     ( while sleep "$LOG_INTERVAL"; do
           s3 put "$LOG" "$JOB_URI/ec2/logs/$CURRENT_HOST.log" >/dev/null 2>&1
       done ) &

@@ -137,6 +137,9 @@ def run_training(environ: Mapping[str, str]) -> int:
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(paths.code), environ.get("PYTHONPATH", "")) if p)
 
+    problem = _unpassable(plan.argv, child_env)
+    if problem is not None:  # exec would raise ValueError after we can no longer report it
+        return _fail(paths, f"ExitCode 1\nCommand: train\nErrorMessage: ConfigError: {problem}\n")
     failed = _install(paths, child_env)
     if failed is not None:
         return _fail(paths, failed)
@@ -158,6 +161,20 @@ def run_training(environ: Mapping[str, str]) -> int:
     (paths.output / "success").write_text("")
     _say(f"training succeeded in {elapsed:.1f}s")
     return 0
+
+
+def _unpassable(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """Why `argv`/`env` cannot reach exec (a NUL anywhere, '=' in a name), or None."""
+    for name, value in env.items():
+        if not name or "=" in name or "\x00" in name or "\x00" in value:
+            return (f"environment variable {name[:80]!r} (value {value[:40]!r}) cannot be "
+                    "passed to the script: names must be non-empty without '=' or NUL and "
+                    "values without NUL; rename the hyperparameter (SM_HP_<KEY>) or variable")
+    for arg in argv:
+        if "\x00" in arg:
+            return (f"argument {arg[:80]!r} holds a NUL character, which no command line can "
+                    "carry; remove it from the hyperparameter")
+    return None
 
 
 def _grace_s(environ: Mapping[str, str]) -> float:

@@ -6,6 +6,16 @@ function works on one folder and can be tested on its own.
 Atomicity: a file is written to `.<name>.tmp.<pid>` in its own folder, flushed, fsync'ed,
 renamed over the target (atomic on POSIX) and the folder fsync'ed, so after a crash a name
 holds either the old bytes, the new bytes, or nothing, never a torn file.
+
+A save never writes into a checkpoint folder that already exists (it may be the one `newest`
+names): `begin_save` sends it to `.<name>.new`, and `commit_save` swaps it in by two renames
+(`<name>` -> `.<name>.old`, `.<name>.new` -> `<name>`). A crash between the two leaves
+`.<name>.old`, which `resolve_folder` reads in place of the missing `<name>` and the next
+`begin_save` moves back.
+
+Loading: `load` is `torch.load(weights_only=True)`: tensors, numbers, strings and plain
+containers only (every smp file is made of those), so a planted pickle cannot run code; a
+file holding anything else is refused naming the file and the type.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -25,7 +36,8 @@ from .errors import CheckpointError
 
 __all__ = ["IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST", "atomic_write",
            "save_torch", "save_json", "read_json", "load", "sha256_of", "read_newest",
-           "update_newest", "read_manifest", "check_files", "fsync_dir"]
+           "update_newest", "read_manifest", "check_files", "fsync_dir", "begin_save",
+           "commit_save", "resolve_folder"]
 
 NEWEST, PLAN, MANIFEST = "newest", ".plan.json", ".complete.json"
 PAUSE_ENV = "FP16_SDK_CKPT_TEST_PAUSE_AFTER"
@@ -120,8 +132,79 @@ def read_json(path: str) -> dict | None:
 
 
 def load(path: str):
-    """torch.load onto the CPU (smp checkpoints hold arbitrary user objects)."""
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """torch.load onto the CPU with weights_only=True.
+
+    Raises:
+        CheckpointError: the file holds an object torch's weights-only unpickler does not
+            allow (a planted or foreign pickle), naming the file and what it holds.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = next((line.strip() for line in str(exc).splitlines()
+                      if "GLOBAL" in line or "Unsupported" in line), str(exc).splitlines()[0])
+        raise CheckpointError(
+            f"refusing to load checkpoint file {path!r}: it holds more than tensors, numbers, "
+            f"strings and containers ({first}); smp checkpoints never do, so it was written "
+            f"by something else. If you wrote it yourself with such objects (e.g. in "
+            f"user_content) and trust it, allow the type with "
+            f"torch.serialization.add_safe_globals([...]) before resuming") from None
+
+
+# ---- saves that never touch a committed folder --------------------------------------------
+def _staged(path: str, name: str) -> str:
+    return os.path.join(path, f".{name}.new")
+
+
+def _retired(path: str, name: str) -> str:
+    return os.path.join(path, f".{name}.old")
+
+
+def begin_save(path: str, name: str) -> str:
+    """Make the folder a save of checkpoint `name` writes into, and return it (rank 0).
+
+    A fresh name is written in place; an existing `<name>` is left alone and the save goes
+    to `.<name>.new`. Left-overs of an interrupted swap are recovered first.
+    """
+    os.makedirs(path, exist_ok=True)
+    final, retired, staged = os.path.join(path, name), _retired(path, name), _staged(path, name)
+    if os.path.isdir(retired):
+        if os.path.isdir(final):  # the swap finished: the retired copy is garbage
+            shutil.rmtree(retired)
+        else:  # killed between the renames: the retired folder is the committed one
+            os.rename(retired, final)
+    shutil.rmtree(staged, ignore_errors=True)
+    target = staged if os.path.exists(final) else final
+    os.makedirs(target)
+    fsync_dir(path)
+    return target
+
+
+def commit_save(path: str, name: str, written: str, keep: int | None) -> list[str]:
+    """After the manifest is in `written`: put it at `<name>`, move `newest`, prune.
+
+    Returns:
+        The folders pruned.
+    """
+    final = os.path.join(path, name)
+    if written != final:
+        retired = _retired(path, name)
+        os.rename(final, retired)
+        fsync_dir(path)
+        _maybe_pause(f"{name}/.swap-retired")
+        os.rename(written, final)
+        fsync_dir(path)
+        _maybe_pause(f"{name}/.swap-done")
+    pruned = update_newest(path, name, keep)
+    shutil.rmtree(_retired(path, name), ignore_errors=True)
+    return pruned
+
+
+def resolve_folder(folder: str) -> str:
+    """`folder`, or its retired copy when a save was killed between its two renames."""
+    path, name = os.path.split(folder)
+    retired = _retired(path, name)
+    return retired if not os.path.isdir(folder) and os.path.isdir(retired) else folder
 
 
 # ---- the newest list and pruning ----------------------------------------------------------

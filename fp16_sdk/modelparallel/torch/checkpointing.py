@@ -23,9 +23,15 @@ killed half way leaves a folder without `.complete.json`: `resume_from_checkpoin
 with `IncompleteCheckpointError`, naming the files `.plan.json` expected that are missing,
 while `newest` still names the previous checkpoint, which loads as before.
 
+Re-saving a tag that exists never writes into its folder (it may be the one `newest`
+names): the save goes to `.<tag>_partial.new` and is swapped in after its manifest
+(checkpoint_files.begin_save / commit_save). Every file a rank loads, its RNG state
+included, is checked against the manifest's sha256, and loaded with weights_only=True.
+
 Test hook: `FP16_SDK_CKPT_TEST_PAUSE_AFTER=<glob>` makes a rank sleep after it renamed a file
 whose name (or "<folder>/<name>", e.g. "step8_partial/optimizer_*") matches, so a test can
-SIGKILL it between files.
+SIGKILL it between files; a swap also pauses at "<tag>_partial/.swap-retired" and
+"<tag>_partial/.swap-done".
 """
 
 from __future__ import annotations
@@ -87,8 +93,9 @@ def _rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")  # only when the script uses it (never imported here)
-    if numpy is not None:
-        out["numpy"] = numpy.random.get_state()
+    if numpy is not None:  # as plain values: weights_only loads no numpy arrays
+        kind, keys, *rest = numpy.random.get_state()
+        out["numpy"] = (kind, keys.tolist(), *rest)
     return out
 
 
@@ -99,7 +106,8 @@ def _set_rng_state(saved: dict) -> None:
         torch.cuda.set_rng_state_all(saved["cuda"])
     numpy = sys.modules.get("numpy")
     if "numpy" in saved and numpy is not None:
-        numpy.random.set_state(saved["numpy"])
+        kind, keys, *rest = saved["numpy"]
+        numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), *rest))
     state.step_count = int(saved["step_count"])
 
 
@@ -196,6 +204,10 @@ def save_checkpoint(path, tag, partial=True, model=None, optimizer=None, user_co
             not isinstance(num_kept_partial_checkpoints, int) or num_kept_partial_checkpoints < 1):
         raise CheckpointError(f"num_kept_partial_checkpoints ({num_kept_partial_checkpoints!r}) "
                               f"must be an integer >= 1, or None to keep every checkpoint")
+    if not partial and (tag == NEWEST or tag.endswith("_partial")):
+        raise CheckpointError(f"a full checkpoint cannot be tagged {tag!r}: it would overwrite "
+                              f"the {NEWEST!r} index or a partial checkpoint folder; pick "
+                              f"another tag, e.g. 'full_step100'")
     if partial:
         _save_partial(path, tag, model, optimizer, user_content, num_kept_partial_checkpoints)
     else:
@@ -210,17 +222,13 @@ def _save_partial(path, tag, model, optimizer, user_content, keep) -> None:
     fp16 = _optimizer_is_half(optimizer)
     kinds = dict(model=model is not None, optimizer=optimizer is not None, fp16=fp16)
     if state.rank == 0:
-        os.makedirs(folder, exist_ok=True)
-        for stale in (MANIFEST, PLAN):  # re-saving a tag: uncommit it before touching files
-            if os.path.exists(os.path.join(folder, stale)):
-                os.unlink(os.path.join(folder, stale))
-        files.fsync_dir(folder)
+        folder = files.begin_save(path, f"{tag}_partial")  # never an existing folder
         expected = [f for r in range(state.topology.world_size) for f in _rank_files(r, **kinds)]
         if user_content is not None:
             expected.append("user_content.pt")
         files.save_json({"tag": tag, "files": sorted(set(expected)), **_config_record()},
                    os.path.join(folder, PLAN))
-    _barrier()
+    folder = _allgather(folder if state.rank == 0 else None)[0]  # rank 0 chose it
     written, problem = {}, None
     try:
         written = _write_rank_files(folder, model, optimizer, fp16, user_content)
@@ -236,7 +244,7 @@ def _save_partial(path, tag, model, optimizer, user_content, keep) -> None:
         assert not missing, f"ranks did not write {missing}"  # _rank_files is the one source
         files.save_json({"tag": tag, "files": records, **_config_record()},
                    os.path.join(folder, MANIFEST))
-        files.update_newest(path, f"{tag}_partial", keep)
+        files.commit_save(path, f"{tag}_partial", folder, keep)
     _barrier()
 
 
@@ -351,10 +359,11 @@ def _partial_folder(path: str, tag) -> str:
             raise CheckpointError(f"no {os.path.join(path, NEWEST)!r}: there is no partial "
                                   f"checkpoint to resume in {path!r}; pass tag=... or check the "
                                   f"path")
-        return os.path.join(path, entries[-1])
+        return files.resolve_folder(os.path.join(path, entries[-1]))
     if not isinstance(tag, str) or not tag:
         raise CheckpointError(f"checkpoint tag ({tag!r}) must be a non-empty str")
-    return os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial")
+    return files.resolve_folder(
+        os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial"))
 
 
 def _verify_partial(folder: str) -> dict:
@@ -368,8 +377,9 @@ def _verify_partial(folder: str) -> dict:
             f"{topo.pp} and {topo.tp}; use the same degrees, or save and load a full "
             f"checkpoint (partial=False), which loads into any layout")
     _check_sharding(manifest)
-    files.check_files(folder, manifest["files"],
-                      _read_names(manifest["files"], manifest["rdp"]))
+    rng = "rng_states_{}_{}_{}.pt".format(*_coords())
+    files.check_files(folder, manifest["files"], _read_names(manifest["files"], manifest["rdp"]) + (
+        [rng] if rng in manifest["files"] else []))
     return manifest
 
 
