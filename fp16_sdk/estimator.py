@@ -31,6 +31,8 @@ from typing import Any
 
 from fp16_sdk import estimator_args
 from fp16_sdk.backends.base import LOCAL_TYPES, Channel, JobHandle, JobSpec, backend_for
+from fp16_sdk.git_source import check_git_config
+from fp16_sdk.git_source import checkout as git_checkout
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.inputs import INPUT_MODES, TrainingInput, channels_from_inputs
 
@@ -241,6 +243,7 @@ class Estimator:
         self._enable_network_isolation = enable_network_isolation
         self.keep_alive_period_in_seconds = keep_alive_period_in_seconds
         self.model_uri, self.model_channel_name = model_uri, model_channel_name
+        self._git_checked_out = False  # True while fit() works inside the clone
         self.git_config = git_config
         # SageMaker-only arguments: attributes as in SageMaker, checked by estimator_args.
         self.volume_kms_key, self.output_kms_key = volume_kms_key, output_kms_key
@@ -366,9 +369,9 @@ class Estimator:
 
     def _validate_code(self) -> None:
         if self.git_config is not None:
-            raise _fail("git_config", self.git_config, "is not supported yet: clone the "
-                        "repository (git clone --branch <b> <repo>) and pass entry_point / "
-                        "source_dir inside the clone")
+            check_git_config(self.git_config)
+            if not self._git_checked_out:
+                return  # the code paths are read inside the clone, at fit() (git_source.py)
         ep = self.entry_point
         if ep is None:
             raise _fail("entry_point", None, "is required: the path of your training script")
@@ -557,6 +560,10 @@ class Estimator:
             ConfigError: invalid input, detected before anything is written or started.
             TrainingJobFailedError: the job failed (with wait=True).
         """
+        with git_checkout(self):  # git_config: the code comes from a fresh clone
+            self._fit(inputs, wait, logs, job_name)
+
+    def _fit(self, inputs, wait, logs, job_name) -> None:
         self._validate()
         if not isinstance(wait, bool):
             raise _fail("wait", wait, "must be True or False")

@@ -248,7 +248,8 @@ BAD = [
                                                "InstanceCount": 1}])),  # type/count also set
     ("compiler_config", dict(compiler_config={"enabled": True})),
     ("training_recipe", dict(training_recipe="training/llama/hf_llama3_8b")),
-    ("git_config", dict(git_config={"repo": "https://github.com/org/repo.git"})),
+    ("git_config", dict(git_config={"repo": "https://github.com/org/repo.git",
+                                    "branch": 3})),
     ("instance_typ", dict(instance_typ="ml.p3.2xlarge")),
 ]
 

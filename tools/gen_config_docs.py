@@ -99,7 +99,7 @@ local modes: a local job logs them once (`recorded, no effect in local mode: ...
 | `container_entry_point`, `container_arguments` | recorded | `AlgorithmSpecification.ContainerEntrypoint/ContainerArguments` |
 | `enable_infra_check`, `enable_remote_debug`, `enable_session_tag_chaining` | recorded | `InfraCheckConfig`, `RemoteDebugConfig`, `SessionChainingConfig` |
 | `container_log_level` | the toolkit's log level | `sagemaker_container_log_level` hyperparameter |
-| `git_config` | refused for now: clone the repository and pass paths inside it | same |
+| `git_config` | cloned at `fit()` (`repo`, `branch`, `commit`, https `token` or `username`/`password`); `source_dir`, `entry_point`, `dependencies` read inside the clone | same (the clone is packaged and uploaded) |
 | `image_uri` | default: this project's image (`local`), none (`local_process`) | required: this project's image in ECR |
 | `framework_version`, `py_version` (PyTorch) | required unless `image_uri`; a different installed version is a warning | recorded (our image is used) |
 | `distribution` | validated by the schema above; launches the processes | `sagemaker_*` / `mp_parameters` hyperparameters |
