@@ -182,7 +182,9 @@ def notebook_style(script, **overrides):
         instance_type="local_process", volume_size=500, instance_count=1,
         sagemaker_session=None, distribution=SMP, framework_version="1.12", py_version="py38",
         output_path=str(script / "jobs"), checkpoint_s3_uri=None,
-        checkpoint_local_path=hyperparameters["checkpoint-dir"],
+        # the notebook's FSx branch passes hyperparameters["checkpoint-dir"]; in local modes
+        # that folder is on this machine, so the test gives one under its own tmp folder
+        checkpoint_local_path=str(script / "checkpoints"),
         metric_definitions=[{"Name": "train:loss", "Regex": "loss=([0-9.]+)"}],
         hyperparameters=hyperparameters, debugger_hook_config=False, disable_profiler=True,
         base_job_name="smp-gpt2", **kwargs)
