@@ -279,3 +279,58 @@ def _many_tensors(rank, world):
 
 def test_a_message_with_a_long_header_crosses_stages():
     assert run_ranks(_many_tensors, 2, timeout=120)[1] is True
+
+
+def _case_tp(rank, world, steps, lr):
+    """pp=2 x tp=2 on HF GPT-2: prescaled batch (the TP pair feeds the same rows, rdp = 1), so
+    every rank's losses and gathered gradients compare with the single-process model's."""
+    import smdistributed.modelparallel.torch as smp
+    from fp16_sdk.modelparallel.torch.nn import gather_full_state_dict
+    torch.set_num_threads(1)
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": MB,
+              "prescaled_batch": True, "auto_partition": False, "default_partition": 0,
+              "ddp": True})
+    torch.manual_seed(0)
+    module = _gpt2()
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+    for i in range(4):  # after wrapping, as AWS's GPT-2 script does
+        smp.set_partition(module.transformer.h[i], 0 if i < 3 else 1)
+
+    @smp.step
+    def train(model, inputs):
+        loss = _loss(model(**inputs))
+        model.backward(loss)
+        return loss
+
+    losses, grads = [], []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        data = _data("gpt2", step)
+        if smp.pp_rank() != 0:  # inputs only on pipeline rank 0
+            data = {k: None for k in data}
+        losses.append([float(x) for x in train(model, data).outputs])
+        named = dict(module.named_parameters())
+        local = {k: named[k].grad for k in module.state_dict()  # this stage's, not placeholders
+                 if k in named and named[k].numel() and named[k].grad is not None}
+        full = gather_full_state_dict(module, local)  # collective over the TP pair
+        grads.append({n: g.clone() for n, g in full.items()})
+        optimizer.step()
+    return {"losses": losses, "grads": grads, "pp_rank": smp.pp_rank()}
+
+
+def test_hf_gpt2_pp2_tp2_equals_the_single_process_model():
+    steps, lr = 2, 0.1
+    ref_losses, ref_grads = _reference("gpt2", steps, lr)
+    results = run_ranks(_case_tp, 4, steps, lr, timeout=400)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=1e-6)
+    for step in range(steps):
+        seen = set()
+        for r in results:
+            for name, grad in r["grads"][step].items():
+                torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6,
+                                           msg=f"pp2xtp2 step {step} {name}")
+                seen.add(name)
+        assert seen == set(ref_grads[step]), set(ref_grads[step]) ^ seen

@@ -232,3 +232,11 @@ def test_hf_tp2_matches_plain_transformers(arch, tmp_path):
 
 def test_hf_gpt2_tp2_prescaled_batch(tmp_path):
     run_ranks(_worker, 2, "gpt2", True, str(tmp_path), timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama"])
+def test_hf_tp2_rdp2_matches_plain_transformers(arch, tmp_path):
+    """tp=2 x rdp=2 (world 4): the same references as at tp=2, with gradients also reduced over
+    the reduced-data-parallel group (each rank feeds one row of the global batch)."""
+    run_ranks(_worker, 4, arch, False, str(tmp_path), timeout=400)
