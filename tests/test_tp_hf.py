@@ -2,11 +2,11 @@
 
 Reference: the plain transformers model built from the same config and seed in every process,
 trained single-process on the whole global batch. Per architecture: the split projections hold
-1/tp of their elements on each rank; loss and every gradient (gathered) equal the reference's
-over 3 SGD steps to 1e-5 in fp32; the gathered state dict, `save_pretrained` (given that dict,
-as the HF Trainer does, and without it through `smp.state.module_manager.translate_functions`,
-as transformers calls them) and the translate functions give a checkpoint plain transformers
-loads with the reference's eval loss.
+1/tp of their elements on each rank; loss, every gradient (gathered) and the clip norm (clipped
+at 1.0) equal the reference's over 3 SGD steps to 1e-5 in fp32, also at tp=2 x rdp=2; the
+gathered state dict, `save_pretrained` (given that dict, as the HF Trainer does, and without it
+through `smp.state.module_manager.translate_functions`, as transformers calls them) and the
+translate functions give a checkpoint plain transformers loads with the reference's eval loss.
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ def _worker(rank, world, arch, prescaled, tmp):
         assert set(grads) == set(want), set(grads) ^ set(want)
         for k, g in grads.items():
             assert_close(g, want[k].grad, f"{arch} step {step} grad {k}")
+        norm = opt.clip_master_grads(1.0)  # over the TP shards, each replicated one once
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        assert_close(torch.tensor(norm), ref_norm.detach(), f"{arch} step {step} clip norm")
         opt.step()
         ref_opt.step()
     _check_checkpoints(smp, arch, model, ref, rank, tmp)
