@@ -163,18 +163,23 @@ def _case(rank, world, kind, steps, lr, assignment):
 def _check(kind, assignment=None, steps=2, lr=0.1):
     ref_losses, ref_grads = _reference(kind, steps, lr)
     results = run_ranks(_case, 2, kind, steps, lr, assignment, timeout=300)
+    _compare(results, ref_losses, ref_grads, kind)
+    return results
+
+
+def _compare(results, ref_losses, ref_grads, label):
+    """Every rank's losses, and every gradient some rank holds, against the reference."""
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=1e-6)
-    for step in range(steps):
+    for step in range(len(ref_grads)):
         seen = set()
         for r in results:
             for name, grad in r["grads"][step].items():
                 torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6,
-                                           msg=f"{kind} step {step} {name}")
+                                           msg=f"{label} step {step} {name}")
                 seen.add(name)
-        assert seen == set(ref_grads[step])
-    return results
+        assert seen == set(ref_grads[step]), set(ref_grads[step]) ^ seen
 
 
 def test_hf_gpt2_pp2_set_partition_after_wrapping_inputs_on_rank0_only():
@@ -323,14 +328,4 @@ def test_hf_gpt2_pp2_tp2_equals_the_single_process_model():
     steps, lr = 2, 0.1
     ref_losses, ref_grads = _reference("gpt2", steps, lr)
     results = run_ranks(_case_tp, 4, steps, lr, timeout=400)
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
-                                   rtol=1e-5, atol=1e-6)
-    for step in range(steps):
-        seen = set()
-        for r in results:
-            for name, grad in r["grads"][step].items():
-                torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6,
-                                           msg=f"pp2xtp2 step {step} {name}")
-                seen.add(name)
-        assert seen == set(ref_grads[step]), set(ref_grads[step]) ^ seen
+    _compare(results, ref_losses, ref_grads, "pp2xtp2")

@@ -203,7 +203,10 @@ def _free(params) -> None:
 
 
 def materialize(root: nn.Module) -> dict | None:
-    """Give the parameters this rank holds real values (module docstring); no-op without meta.
+    """Give the parameters this rank holds real values (module docstring).
+
+    A model built outside `smp.delay_param_initialization` has no meta parameters: nothing to
+    materialise, and None is returned.
 
     Returns:
         {"local_bytes", "model_bytes", "peak_bytes"} of parameter memory, or None.
