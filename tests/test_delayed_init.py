@@ -8,6 +8,7 @@ references to storages: a storage counts while it is alive).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -129,13 +130,16 @@ def test_pp1_values_equal_eager_creation_with_the_same_seed(init):
     assert torch.equal(module.scale, torch.full((1,), 0.5))  # buffers stay real
 
 
-def test_model_creation_flag_and_nesting(init):
+def test_model_creation_flag_and_nesting(init, caplog):
+    caplog.set_level(logging.WARNING)
     with smp.model_creation(delayed_param_initialization=True):
         a = nn.Linear(2, 2)
         with smp.delay_param_initialization(enabled=False):
             b = nn.Linear(2, 2)
     c = nn.Linear(2, 2)
     assert a.weight.is_meta and not b.weight.is_meta and not c.weight.is_meta
+    # a creation option, not an unknown tensor-parallel one
+    assert not [r for r in caplog.records if "not known" in r.getMessage()]
 
 
 class NoInit(nn.Module):

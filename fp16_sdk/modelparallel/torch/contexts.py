@@ -146,9 +146,11 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
         dtype: default dtype while creating (e.g. torch.float16); None keeps the current one.
         **tensor_parallel_config: TP options (distribute_embedding, ...); unknown ones warn once.
     """
-    _check_options(tensor_parallel_config)
+    # delayed_param_initialization is a creation option, not a TP one: taken out before the
+    # TP options are checked (it used to draw the "unknown option" warning).
     delayed = bool(tensor_parallel_config.pop("delayed_param_initialization", False)) or \
         bool(getattr(state.cfg, "delayed_parameter_initialization", False))
+    _check_options(tensor_parallel_config)
     frame = {"tensor_parallelism": bool(tensor_parallelism), "tp_config": tensor_parallel_config,
              "delay_param_initialization": delayed, "dtype": dtype}
     previous = torch.get_default_dtype()
