@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk import estimator_args
+from fp16_sdk import contract, estimator_args
 from fp16_sdk.backends.base import LOCAL_TYPES, Channel, JobHandle, JobSpec, backend_for
 from fp16_sdk.git_source import check_git_config
 from fp16_sdk.git_source import checkout as git_checkout
@@ -536,12 +536,8 @@ class Estimator:
 
     def _code_uri(self, job_name: str, output_path: str) -> str:
         """sagemaker_submit_directory; "" when only the remote backend can know it."""
-        if self._local:
-            return f"{output_path.rstrip('/')}/{job_name}/source/sourcedir.tar.gz"
-        if not self.code_location and not output_path:
-            return ""
-        base = self.code_location or "s3://" + output_path[len("s3://"):].split("/", 1)[0]
-        return f"{base.rstrip('/')}/{job_name}/source/sourcedir.tar.gz"
+        return contract.code_uri(job_name, output_path=output_path,
+                                 code_location=self.code_location)
 
     # ---- running -----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import shlex
 import time
 from typing import Any, TextIO
 
+from .. import contract
 from ..errors import BackendError, ConfigError
 from ..extraction import relative_parts
 from ..session import EC2Session, parse_s3_uri
@@ -54,25 +55,13 @@ def host_configs(spec: JobSpec, *, submit_uri: str, region: str) -> dict[str, di
     hyperparameters = dict(spec.hyperparameters)
     hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
     hyperparameters.setdefault("sagemaker_region", json.dumps(region))
-    channels = {c.name: {"TrainingInputMode": c.input_mode or spec.input_mode,
-                         "S3DistributionType": c.distribution,
-                         "RecordWrapperType": c.record_wrapping or "None",
-                         **({"ContentType": c.content_type} if c.content_type else {})}
-                for c in spec.channels}
-    out = {}
-    for host in spec.hosts:
-        resources = {"current_host": host, "hosts": spec.hosts,
-                     # the instance script swaps eth0 for the real interface (exact text)
-                     "network_interface_name": "eth0",
-                     "current_instance_type": spec.instance_type,
-                     "current_group_name": "homogeneousCluster",
-                     "instance_groups": [{"instance_group_name": "homogeneousCluster",
-                                          "instance_type": spec.instance_type,
-                                          "hosts": spec.hosts}]}
-        out[host] = {"hyperparameters.json": json.dumps(hyperparameters, sort_keys=True),
-                     "resourceconfig.json": json.dumps(resources),
-                     "inputdataconfig.json": json.dumps(channels, sort_keys=True)}
-    return out
+    channels = contract.input_data_config(spec.channels, input_mode=spec.input_mode)
+    return {host: contract.config_files(
+        hyperparameters=hyperparameters, input_data_config=channels,
+        # the instance script swaps eth0 for the real interface (exact text)
+        resource_config=contract.resource_config(
+            current_host=host, hosts=spec.hosts, instance_type=spec.instance_type,
+            network_interface_name="eth0")) for host in spec.hosts}
 
 
 def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:

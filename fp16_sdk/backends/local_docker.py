@@ -34,6 +34,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp16_sdk import contract
 from fp16_sdk import image as images
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import Backend, Channel, JobSpec
@@ -286,12 +287,12 @@ class LocalDockerBackend(Backend):
     # ---- container configuration -------------------------------------------------------
 
     def _environment(self, spec: JobSpec, options: DockerOptions) -> dict[str, str]:
-        env = {"TRAINING_JOB_NAME": spec.job_name, "NCCL_SOCKET_IFNAME": "eth0",
+        env = {contract.JOB_NAME_VAR: spec.job_name, "NCCL_SOCKET_IFNAME": "eth0",
                # Each host's address is its network alias, resolved by the engine's DNS when
                # used. Naming them here skips the toolkit's wait until every host resolves:
                # all containers are started before submit() returns, and a host that already
                # finished drops out of DNS, so that wait could block the slower hosts.
-               "FP16_SDK_HOST_ADDRESSES": json.dumps({h: h for h in spec.hosts})}
+               contract.HOST_ADDRESSES_VAR: json.dumps({h: h for h in spec.hosts})}
         env.update(spec.environment)
         if options.pass_aws_credentials:
             region = json.loads(spec.hyperparameters.get("sagemaker_region", "null"))

@@ -39,6 +39,7 @@ import weakref
 from pathlib import Path
 
 import fp16_sdk
+from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import Backend, JobHandle, JobSpec, JobStatus
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
@@ -160,13 +161,13 @@ class LocalProcessJob(JobHandle):
         env.update(self.spec.environment)
         package_root = str(Path(fp16_sdk.__file__).resolve().parent.parent)
         env.update({
-            "SAGEMAKER_BASE_DIR": str(tree.root),
-            "FP16_SDK_HOST_ADDRESSES": json.dumps({h: "127.0.0.1" for h in self.spec.hosts}),
-            "FP16_SDK_MASTER_PORT": str(port),
+            contract.BASE_DIR_VAR: str(tree.root),
+            contract.HOST_ADDRESSES_VAR: json.dumps({h: "127.0.0.1" for h in self.spec.hosts}),
+            contract.MASTER_PORT_VAR: str(port),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p),
-            "FP16_SDK_LIFELINE_FD": str(lifeline),
-            "FP16_SDK_STOP_GRACE_S": str(self._grace),
+            contract.LIFELINE_FD_VAR: str(lifeline),
+            contract.STOP_GRACE_VAR: str(self._grace),
             TOKEN_VAR: self._token,
         })
         return env
@@ -351,31 +352,18 @@ class LocalProcessJob(JobHandle):
         return "file://" + str(self._artifacts["model"])
 
     def describe(self) -> dict:
-        spec = self.spec
-        desc = {
-            "TrainingJobName": self.name,
-            "TrainingJobStatus": self._status.value,
-            "HyperParameters": dict(spec.hyperparameters),
-            "AlgorithmSpecification": {"TrainingImage": spec.image_uri,
-                                       "TrainingInputMode": spec.input_mode,
-                                       "MetricDefinitions": list(spec.metric_definitions)},
-            "ResourceConfig": {"InstanceType": spec.instance_type,
-                               "InstanceCount": spec.instance_count,
-                               "VolumeSizeInGB": spec.volume_size},
-            "OutputDataConfig": {"S3OutputPath": spec.output_path},
-            "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
-            "TrainingStartTime": self._start_time,
-            "HostExitCodes": self.exit_codes,
-        }
-        if self._done.is_set():
-            desc["TrainingEndTime"] = self._end_time
-            desc["FinalMetricDataList"] = lc.final_metrics(self.log_lines(),
-                                                           spec.metric_definitions)
-        if self.model_data:
-            desc["ModelArtifacts"] = {"S3ModelArtifacts": self.model_data}
-        if self._error is not None:
-            desc["FailureReason"] = self._error.reason[:1024]
-        return desc
+        spec, done = self.spec, self._done.is_set()
+        return contract.describe_training_job(
+            name=self.name, status=self._status.value, hyperparameters=spec.hyperparameters,
+            image=spec.image_uri, input_mode=spec.input_mode,
+            metric_definitions=spec.metric_definitions, instance_type=spec.instance_type,
+            instance_count=spec.instance_count, volume_size=spec.volume_size,
+            output_path=spec.output_path, max_run=spec.max_run, start_time=self._start_time,
+            end_time=self._end_time if done else None, model_data=self.model_data,
+            failure_reason=self._error.reason if self._error is not None else None,
+            final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
+                           if done else None),
+            extra={"HostExitCodes": self.exit_codes})
 
 
 @atexit.register

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .. import contract
 from ..errors import BackendError, ConfigError, TrainingJobFailedError
 from ..inputs import data_source_config
 from ..session import Session, parse_s3_uri
@@ -26,15 +27,14 @@ _TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED)
 
 
 def code_uri(spec: JobSpec, session: Session) -> str:
-    """Where the job's sourcedir.tar.gz goes (the real SDK's `_stage_user_code_in_s3` rule)."""
+    """Where the job's sourcedir.tar.gz goes (`contract.code_uri`, the session's default
+    bucket when neither code_location nor an s3:// output_path names one)."""
     if spec.code_location:
-        bucket, prefix = parse_s3_uri(spec.code_location)
-    elif spec.output_path and spec.output_path.startswith("s3://"):
-        bucket, prefix = parse_s3_uri(spec.output_path)[0], ""
-    else:
-        bucket, prefix = session.default_bucket(), ""
-    key = "/".join(p for p in (prefix.strip("/"), spec.job_name, "source", "sourcedir.tar.gz") if p)
-    return f"s3://{bucket}/{key}"
+        parse_s3_uri(spec.code_location)  # raises ConfigError on a malformed URI
+    has_bucket = spec.code_location or (spec.output_path or "").startswith("s3://")
+    return contract.code_uri(spec.job_name, output_path=spec.output_path or "",
+                             code_location=spec.code_location,
+                             default_bucket=None if has_bucket else session.default_bucket())
 
 
 def check_remote_spec(spec: JobSpec) -> None:
