@@ -1,10 +1,10 @@
 """`Estimator`: the framework-agnostic half of `sagemaker.estimator.Estimator`.
 
-Same argument names and defaults as SageMaker's estimator (contract §1). Everything that can be
-checked is checked at construction and again at the top of `fit()`, before a file is written
-or a process started; every `ConfigError` names the key, the value and the fix. `fit()` turns
-the estimator into a typed `JobSpec` and hands it to the backend chosen once from
-`instance_type` (`backends.base.backend_for`).
+Same argument names and defaults as SageMaker's estimator. Everything that can be checked is
+checked at construction and again at the top of `fit()`, before a file is written or a process
+started (`estimator_validation.validate`); every `ConfigError` names the key, the value and
+the fix. `fit()` turns the estimator into a typed `JobSpec` and hands it to the backend chosen
+once from `instance_type` and the session (`backends.base.backend_for`, a table of backends).
 
 Decisions (where SageMaker leaves room):
 - Script mode only: `entry_point` is required.
@@ -13,7 +13,8 @@ Decisions (where SageMaker leaves room):
   paths, s3:// is refused there. Pipe input mode is refused in local modes.
 - `sagemaker_region` comes from the session (`boto_region_name`), else AWS_REGION /
   AWS_DEFAULT_REGION, else "us-east-1"; no AWS call is made.
-- `backend_options` (not in SageMaker) is passed to the backend unchanged.
+- `backend_options` (not in SageMaker) is parsed by the chosen backend (`parse_options`),
+  unknown keys refused, and passed to it in the `JobSpec`.
 """
 
 from __future__ import annotations
@@ -29,28 +30,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk import contract, estimator_args
+from fp16_sdk import contract, estimator_args, estimator_validation
 from fp16_sdk.backends.base import LOCAL_TYPES, Channel, JobHandle, JobSpec, backend_for
-from fp16_sdk.git_source import check_git_config
-from fp16_sdk.git_source import checkout as git_checkout
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.inputs import INPUT_MODES, TrainingInput, channels_from_inputs
+from fp16_sdk.estimator_validation import (JOB_NAME_PATTERN, check_hyperparameter_limits,
+                                           encode_hyperparameters)
+from fp16_sdk.estimator_validation import fail as _fail
+from fp16_sdk.git_source import checkout as git_checkout
+from fp16_sdk.inputs import TrainingInput, channels_from_inputs
 
 __all__ = ["Estimator", "name_from_base", "base_name_from_image", "claim_job_folder",
            "JOB_NAME_PATTERN"]
 
 logger = logging.getLogger(__name__)
 
-JOB_NAME_PATTERN = r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}"
-# Matched with fullmatch: `$` would also accept a trailing newline.
-_JOB_NAME = re.compile(JOB_NAME_PATTERN)
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_JOB_NAME = re.compile(JOB_NAME_PATTERN)  # fullmatch: `$` would also accept a trailing newline
 DEFAULT_REGION = "us-east-1"
-# CreateTrainingJob limits.
-MAX_HYPERPARAMETERS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
-MAX_ENV, MAX_ENV_KEY, MAX_ENV_VALUE = 100, 512, 512
-MAX_METRICS, MAX_TAGS = 40, 50
-MAX_KEEP_ALIVE = 21600  # ResourceConfig.KeepAlivePeriodInSeconds
 
 
 def sagemaker_timestamp(moment: float | None = None) -> str:
@@ -72,29 +67,6 @@ def base_name_from_image(image: str) -> str:
     return m.group(2) if m else image
 
 
-def _fail(key: str, value: Any, fix: str) -> ConfigError:
-    return ConfigError(f"{key}={_shorten(value)} {fix}", key=key, value=value)
-
-
-def _shorten(value: Any, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters: errors name a value, they do not echo 4 MB."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
-
-
-def _strings_in(value: Any):
-    """Every str inside a JSON-shaped value (dict keys included)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings_in(k)
-            yield from _strings_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _strings_in(v)
-
-
 def claim_job_folder(jobs: Path, name: str) -> bool:
     """Create `jobs/name` exclusively; False if it exists. A local job is claimed this way,
     so two processes given the same job_name can never share (or delete) one folder."""
@@ -104,69 +76,6 @@ def claim_job_folder(jobs: Path, name: str) -> bool:
     except FileExistsError:
         return False
     return True
-
-
-def _check_int(key: str, value: Any, *, minimum: int, maximum: int | None = None,
-               optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(key, value, f"must be an integer >= {minimum}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-        raise _fail(key, value, f"must be {bound}")
-
-
-def _check_str_list(key: str, value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, (list, tuple)) or not value or \
-            not all(isinstance(v, str) and v for v in value):
-        raise _fail(key, value, "must be a non-empty list of strings (e.g. ['subnet-0abc'])")
-
-
-def encode_hyperparameters(raw: dict) -> dict[str, str]:
-    """SageMaker's encoding: every value JSON-encoded (`1` -> `"1"`, `"a"` -> `"\\"a\\""`).
-
-    Raises:
-        ConfigError: a key that is not a string, a value JSON cannot encode.
-    """
-    out = {}
-    for key, value in raw.items():
-        if not isinstance(key, str) or not key:
-            raise _fail("hyperparameters", key, "keys must be non-empty strings")
-        # The container passes each one as `--key value` and SM_HP_<KEY>=value: an
-        # environment variable name cannot hold '=' and no argv/env string can hold NUL.
-        if "=" in key or "\x00" in key:
-            raise _fail("hyperparameters", key, "keys must not contain '=' or NUL (they become "
-                        "SM_HP_<KEY> environment variables); rename the key")
-        if any("\x00" in text for text in _strings_in(value)):
-            raise ConfigError(f"hyperparameters[{key!r}]={_shorten(value)} contains a NUL "
-                              "character, which no command-line argument or environment "
-                              "variable can hold; remove it", key=key, value=value)
-        try:
-            out[key] = json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"hyperparameters[{key!r}]={value!r} cannot be JSON-encoded "
-                              f"({exc}); use numbers, strings, lists or dicts", key=key,
-                              value=value) from None
-    return out
-
-
-def check_hyperparameter_limits(encoded: dict[str, str]) -> None:
-    """CreateTrainingJob's limits: <= 100 entries, key <= 256, encoded value <= 2500 chars."""
-    if len(encoded) > MAX_HYPERPARAMETERS:
-        raise _fail("hyperparameters", f"{len(encoded)} entries",
-                    f"exceeds SageMaker's limit of {MAX_HYPERPARAMETERS} (sagemaker_* keys "
-                    "included); pass large settings in a file in source_dir instead")
-    for key, value in encoded.items():
-        if len(key) > MAX_HP_KEY:
-            raise _fail("hyperparameters", key[:40] + "...", f"key is {len(key)} chars; the "
-                        f"limit is {MAX_HP_KEY}: use a shorter name")
-        if len(value) > MAX_HP_VALUE:
-            raise ConfigError(
-                f"hyperparameters[{key!r}] is {len(value)} chars once JSON-encoded; the limit is "
-                f"{MAX_HP_VALUE}: pass it in a file in source_dir instead", key=key, value=value)
 
 
 class Estimator:
@@ -297,6 +206,7 @@ class Estimator:
 
     @property
     def _local(self) -> bool:
+        """Whether the job runs on this machine (a `local` backend of the table)."""
         return self.instance_type in LOCAL_TYPES
 
     def enable_network_isolation(self) -> bool:
@@ -322,174 +232,7 @@ class Estimator:
         return groups if groups is not None else (self.instance_type, self.instance_count)
 
     def _validate(self) -> None:
-        self._sagemaker_options()
-        self._validate_resources()
-        self._validate_code()
-        self._validate_locations()
-        self._validate_mappings()
-        self._validate_vpc_and_flags()
-        self._validate_framework()
-        check_hyperparameter_limits(self.hyperparameters())
-
-    def _validate_resources(self) -> None:
-        if self.instance_groups is not None:
-            if self.instance_type is not None or self.instance_count is not None:
-                raise _fail("instance_groups", self.instance_groups, "replaces instance_type "
-                            "and instance_count: set both to None (SageMaker's rule)")
-            if getattr(self.sagemaker_session, "backend_name", None) == "ec2":
-                raise _fail("instance_groups", self.instance_groups, "is a SageMaker "
-                            "heterogeneous cluster; the EC2 backend runs one instance type: "
-                            "give instance_type and instance_count")
-            return self._validate_limits()
-        if self.instance_type is None:
-            raise _fail("instance_type", None, "is required: use 'local_process' (this machine), "
-                        "'local'/'local_gpu' (Docker) or a SageMaker type such as 'ml.p4d.24xlarge'")
-        if not isinstance(self.instance_type, str) or not (
-                self.instance_type in LOCAL_TYPES or self.instance_type.startswith("ml.")):
-            raise _fail("instance_type", self.instance_type, "must be 'local_process', 'local', "
-                        "'local_gpu' or a SageMaker type starting with 'ml.'")
-        if self.instance_count is None:
-            raise _fail("instance_count", None, "is required: the number of hosts, e.g. 1")
-        _check_int("instance_count", self.instance_count, minimum=1)
-        self._validate_limits()
-
-    def _validate_limits(self) -> None:
-        _check_int("volume_size", self.volume_size, minimum=1)
-        _check_int("max_run", self.max_run, minimum=1)
-        _check_int("max_wait", self.max_wait, minimum=1, optional=True)
-        _check_int("keep_alive_period_in_seconds", self.keep_alive_period_in_seconds,
-                   minimum=0, maximum=MAX_KEEP_ALIVE, optional=True)
-        if isinstance(self.container_log_level, bool) or not isinstance(self.container_log_level, int):
-            raise _fail("container_log_level", self.container_log_level,
-                        "must be a logging level number such as logging.INFO (20)")
-        if self.input_mode not in INPUT_MODES:
-            raise _fail("input_mode", self.input_mode, f"must be one of {', '.join(INPUT_MODES)}")
-        if self._local and self.input_mode == "Pipe":
-            raise _fail("input_mode", "Pipe", "is not available in local modes; use 'File'")
-
-    def _validate_code(self) -> None:
-        if self.git_config is not None:
-            check_git_config(self.git_config)
-            if not self._git_checked_out:
-                return  # the code paths are read inside the clone, at fit() (git_source.py)
-        ep = self.entry_point
-        if ep is None:
-            raise _fail("entry_point", None, "is required: the path of your training script")
-        if not isinstance(ep, (str, os.PathLike)):
-            raise _fail("entry_point", ep, "must be a path string such as 'train.py'")
-        ep = os.fspath(ep)
-        if ep.startswith("s3://"):
-            raise _fail("entry_point", ep, "must be a path to a local file (s3:// is not "
-                        "supported); download the script and pass its path")
-        if self.source_dir is not None:
-            src = os.fspath(self.source_dir)
-            if src.startswith("s3://"):
-                raise _fail("source_dir", src, "must be a local folder (s3:// is not supported)")
-            if not Path(src).is_dir():
-                raise _fail("source_dir", src, "must be an existing folder")
-            if not (Path(src) / ep).is_file():
-                raise _fail("entry_point", ep, f"was not found in source_dir {src!r}; give it "
-                            "relative to source_dir")
-        elif not Path(ep).is_file():
-            raise _fail("entry_point", ep, "does not exist or is not a file; give the script's path")
-        if not isinstance(self.dependencies, list):
-            raise _fail("dependencies", self.dependencies, "must be a list of local paths")
-        for dep in self.dependencies:
-            if not isinstance(dep, (str, os.PathLike)) or not Path(dep).exists():
-                raise _fail("dependencies", dep, "must be an existing local file or folder")
-
-    def _check_uri(self, key: str, value: Any, *, remote_only_s3: bool = True) -> None:
-        if value is None:
-            return
-        if not isinstance(value, str) or not value:
-            raise _fail(key, value, "must be a URI string")
-        if self._local:
-            if value.startswith("s3://"):
-                raise _fail(key, value, "local modes use no AWS account: give a file:// URI "
-                            "or a local path")
-        elif value.startswith("file://") or not value.startswith("s3://"):
-            raise _fail(key, value, f"must be an s3:// URI for instance_type {self.instance_type!r}"
-                        " (file:// works only in local modes)")
-
-    def _validate_locations(self) -> None:
-        self._check_uri("output_path", self.output_path)
-        self._check_uri("code_location", self.code_location)
-        self._check_uri("checkpoint_s3_uri", self.checkpoint_s3_uri)
-        self._check_uri("model_uri", self.model_uri)
-        if not isinstance(self.model_channel_name, str) or not self.model_channel_name:
-            raise _fail("model_channel_name", self.model_channel_name, "must be a channel name "
-                        "such as 'model'")
-        cpl = self.checkpoint_local_path
-        if cpl is not None and (not isinstance(cpl, str) or not cpl.startswith("/")):
-            raise _fail("checkpoint_local_path", cpl, "must be an absolute path such as "
-                        "'/opt/ml/checkpoints'")
-        if self.base_job_name is not None and (not isinstance(self.base_job_name, str)
-                                               or not _JOB_NAME.fullmatch(self.base_job_name)):
-            raise _fail("base_job_name", self.base_job_name, "must match "
-                        f"{JOB_NAME_PATTERN} (letters, digits, single hyphens inside)")
-
-    def _validate_mappings(self) -> None:
-        if not isinstance(self._hyperparameters, dict):
-            raise _fail("hyperparameters", self._hyperparameters, "must be a dict name -> value")
-        for key, value, kind in (("environment", self.environment, dict),
-                                 ("metric_definitions", self.metric_definitions, list),
-                                 ("tags", self.tags, list)):
-            if not isinstance(value, kind):
-                raise _fail(key, value, f"must be a {kind.__name__}")
-        env = self.environment
-        if len(env) > MAX_ENV:
-            raise _fail("environment", f"{len(env)} entries", f"exceeds the limit of {MAX_ENV}")
-        for key, value in env.items():
-            if not isinstance(key, str) or not _ENV_NAME.fullmatch(key) or len(key) > MAX_ENV_KEY:
-                raise _fail("environment", key, "keys must be variable names "
-                            "([A-Za-z_][A-Za-z0-9_]*, <= 512 chars)")
-            if not isinstance(value, str) or len(value) > MAX_ENV_VALUE:
-                shown = _shorten(value)
-                raise ConfigError(f"environment[{key!r}]={shown} must be a string of at most "
-                                  f"{MAX_ENV_VALUE} chars (write str(...) or shorten it)",
-                                  key=key, value=shown)
-        self._validate_metric_definitions()
-        if len(self.tags) > MAX_TAGS or not all(
-                isinstance(t, dict) and set(t) == {"Key", "Value"} for t in self.tags):
-            raise _fail("tags", self.tags, "must be a list of at most 50 "
-                        "{'Key': ..., 'Value': ...} dicts")
-
-    def _validate_metric_definitions(self) -> None:
-        names = set()
-        if len(self.metric_definitions) > MAX_METRICS:
-            raise _fail("metric_definitions", len(self.metric_definitions),
-                        f"entries exceed SageMaker's limit of {MAX_METRICS}")
-        for md in self.metric_definitions:
-            if not isinstance(md, dict) or set(md) != {"Name", "Regex"} or \
-                    not all(isinstance(v, str) and v for v in md.values()):
-                raise _fail("metric_definitions", md, "entries must be {'Name': str, 'Regex': str}")
-            try:
-                re.compile(md["Regex"])
-            except re.error as exc:
-                raise _fail("metric_definitions", md["Regex"], f"is not a valid regex ({exc})") from None
-            if md["Name"] in names:
-                raise _fail("metric_definitions", md["Name"], "is defined twice; names must be unique")
-            names.add(md["Name"])
-
-    def _validate_vpc_and_flags(self) -> None:
-        _check_str_list("subnets", self.subnets)
-        _check_str_list("security_group_ids", self.security_group_ids)
-        if (self.subnets is None) != (self.security_group_ids is None):
-            given, missing = ("subnets", "security_group_ids") if self.subnets is not None \
-                else ("security_group_ids", "subnets")
-            raise _fail(missing, None, f"is required when {given} is given: pass both or neither")
-        for key, value in (("use_spot_instances", self.use_spot_instances),
-                           ("enable_network_isolation", self._enable_network_isolation)):
-            if not isinstance(value, bool):
-                raise _fail(key, value, "must be True or False")
-        if self.use_spot_instances and (self.max_wait is None or self.max_wait < self.max_run):
-            raise _fail("max_wait", self.max_wait, f"must be >= max_run ({self.max_run}) when "
-                        "use_spot_instances=True; set max_wait")
-        if not self.use_spot_instances and self.max_wait is not None:
-            raise _fail("max_wait", self.max_wait, "is only used with use_spot_instances=True; "
-                        "set use_spot_instances=True or drop max_wait")
-        if not isinstance(self.backend_options, dict):
-            raise _fail("backend_options", self.backend_options, "must be a dict")
+        estimator_validation.validate(self)
 
     # ---- hyperparameters and naming ----------------------------------------------------
 
@@ -696,11 +439,7 @@ class Estimator:
         Raises:
             BackendError: no such job.
         """
-        backend = backend_for("ml.attach", session=sagemaker_session)
-        if not hasattr(backend, "attach"):
-            raise _fail("sagemaker_session", sagemaker_session,
-                        "selects a backend that cannot attach to jobs")
-        handle = backend.attach(training_job_name)
+        handle = backend_for(None, session=sagemaker_session).attach(training_job_name)
         est = cls.__new__(cls)
         est.sagemaker_session = sagemaker_session
         est.latest_training_job = handle

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import fp16_sdk.estimator as estimator_mod
+import fp16_sdk.estimator_validation as validation
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator import base_name_from_image, name_from_base
 from fp16_sdk.inputs import TrainingInput
@@ -348,7 +349,7 @@ def test_job_name_reuse_is_refused(workdir, recorder):
 
 
 def test_over_long_env_value_is_not_echoed_whole(workdir):
-    value = "secret-" + "v" * (estimator_mod.MAX_ENV_VALUE + 10)
+    value = "secret-" + "v" * (validation.MAX_ENV_VALUE + 10)
     with pytest.raises(ConfigError, match="BIG") as err:
         make(workdir, environment={"BIG": value})
     assert len(str(err.value)) < 400 and f"{len(repr(value))} chars" in str(err.value)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -37,11 +38,13 @@ import time
 import uuid
 import weakref
 from pathlib import Path
+from typing import Any, Mapping
 
 import fp16_sdk
 from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
-from fp16_sdk.backends.base import Backend, JobHandle, JobSpec, JobStatus
+from fp16_sdk.backends.base import (Backend, JobHandle, JobSpec, JobStatus,
+                                    refuse_unknown_options)
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 
 __all__ = ["LocalProcessBackend", "LocalProcessJob", "TOKEN_VAR"]
@@ -108,8 +111,41 @@ def _signal(pid: int, sig: int, *, group: bool = False) -> None:
         pass
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalProcessOptions:
+    """The validated `backend_options` of a local_process job."""
+
+    stop_grace_s: float = 5.0
+    keep_job_dir: bool = False
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> "LocalProcessOptions":
+        """Raises ConfigError naming the key, the value and the fix."""
+        refuse_unknown_options(LocalProcessBackend.NAME, options, LocalProcessBackend.OPTIONS)
+        grace = options.get("stop_grace_s", cls.stop_grace_s)
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ConfigError(f"backend_options['stop_grace_s']={grace!r} must be a number of "
+                              "seconds >= 0, such as 5", key="stop_grace_s", value=grace)
+        keep = options.get("keep_job_dir", cls.keep_job_dir)
+        if not isinstance(keep, bool):
+            raise ConfigError(f"backend_options['keep_job_dir']={keep!r} must be True or False",
+                              key="keep_job_dir", value=keep)
+        return cls(stop_grace_s=float(grace), keep_job_dir=keep)
+
+
 class LocalProcessBackend(Backend):
     """Runs jobs as local processes; needs no Docker, no AWS account, no role."""
+
+    NAME = "local_process"
+    OPTIONS = {
+        "stop_grace_s": "seconds between SIGTERM and SIGKILL when the job is stopped (default 5)",
+        "keep_job_dir": "True: keep <output_path>/<job>/hosts after a job that succeeded "
+                        "(default False)",
+    }
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> LocalProcessOptions:
+        return LocalProcessOptions.parse(options)
 
     def submit(self, spec: JobSpec) -> "LocalProcessJob":
         """Check the spec, lay out the host trees and start every host.
@@ -140,7 +176,8 @@ class LocalProcessJob(JobHandle):
         self.name = spec.job_name
         self.spec = spec
         self._token = uuid.uuid4().hex
-        self._grace = float(spec.backend_options.get("stop_grace_s", 5.0))
+        self.options = LocalProcessOptions.parse(spec.backend_options)
+        self._grace = self.options.stop_grace_s
         self._procs: dict[str, subprocess.Popen] = {}
         self._lifeline: int | None = None  # the pipe's write end, open while the job runs
         self._trees: list[lc.HostTree] = []
@@ -272,7 +309,7 @@ class LocalProcessJob(JobHandle):
             self._error = self._failure(failed_host, reason)
         else:
             self._status = JobStatus.COMPLETED
-            if not self.spec.backend_options.get("keep_job_dir"):
+            if not self.options.keep_job_dir:
                 lc.remove_hosts(self.spec)
         self._end_time = dt.datetime.now(dt.timezone.utc)
         _LIVE.discard(self)

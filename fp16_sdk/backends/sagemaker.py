@@ -217,6 +217,12 @@ class SageMakerBackend(Backend):
         self.poll_interval = poll_interval
         self.out = out
 
+    NAME = "SageMaker"  # takes no backend_options: every key is refused
+
+    @classmethod
+    def from_choice(cls, *, instance_type: str | None, session: Any) -> "SageMakerBackend":
+        return cls(session)
+
     def submit(self, spec: JobSpec) -> "SageMakerJob":
         """Upload the code and call CreateTrainingJob.
 
@@ -227,6 +233,7 @@ class SageMakerBackend(Backend):
         from botocore.exceptions import ClientError
 
         check_remote_spec(spec)
+        self.parse_options(spec.backend_options)
         if not spec.role:
             raise ConfigError("role is required for SageMaker jobs: pass role='arn:aws:iam::"
                               "<account>:role/<SageMaker execution role>'", key="role", value=None)
