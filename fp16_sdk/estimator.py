@@ -20,62 +20,26 @@ Decisions (where SageMaker leaves room):
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
-import re
 import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk import contract, estimator_args, estimator_validation
-from fp16_sdk.backends.base import LOCAL_TYPES, Channel, JobHandle, JobSpec, backend_for
+from fp16_sdk import estimator_args, estimator_validation
+from fp16_sdk import estimator_job as job
+from fp16_sdk.backends.base import LOCAL_TYPES, JobHandle, backend_for
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.estimator_validation import (JOB_NAME_PATTERN, check_hyperparameter_limits,
-                                           encode_hyperparameters)
+from fp16_sdk.estimator_validation import check_hyperparameter_limits, encode_hyperparameters
 from fp16_sdk.estimator_validation import fail as _fail
 from fp16_sdk.git_source import checkout as git_checkout
-from fp16_sdk.inputs import TrainingInput, channels_from_inputs
+from fp16_sdk.inputs import channels_from_inputs
 
-__all__ = ["Estimator", "name_from_base", "base_name_from_image", "claim_job_folder",
-           "JOB_NAME_PATTERN"]
+__all__ = ["Estimator"]
 
 logger = logging.getLogger(__name__)
 
-_JOB_NAME = re.compile(JOB_NAME_PATTERN)  # fullmatch: `$` would also accept a trailing newline
 DEFAULT_REGION = "us-east-1"
-
-
-def sagemaker_timestamp(moment: float | None = None) -> str:
-    """UTC `%Y-%m-%d-%H-%M-%S-<ms>`, SageMaker's job-name suffix."""
-    moment = time.time() if moment is None else moment
-    ms = int(moment * 1000) % 1000
-    return time.strftime(f"%Y-%m-%d-%H-%M-%S-{ms:03d}", time.gmtime(moment))
-
-
-def name_from_base(base: str, max_length: int = 63) -> str:
-    """`<base>-<timestamp>`, the base trimmed so the name fits in `max_length`."""
-    stamp = sagemaker_timestamp()
-    return f"{base[: max_length - len(stamp) - 1]}-{stamp}"
-
-
-def base_name_from_image(image: str) -> str:
-    """The repository part of an image URI: `acct.dkr.ecr.../pytorch-training:2.1` -> `pytorch-training`."""
-    m = re.match(r"^(.+/)?([^:/]+)(:[^:]+)?$", image)
-    return m.group(2) if m else image
-
-
-def claim_job_folder(jobs: Path, name: str) -> bool:
-    """Create `jobs/name` exclusively; False if it exists. A local job is claimed this way,
-    so two processes given the same job_name can never share (or delete) one folder."""
-    jobs.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(jobs / name)
-    except FileExistsError:
-        return False
-    return True
 
 
 class Estimator:
@@ -153,6 +117,7 @@ class Estimator:
         self.keep_alive_period_in_seconds = keep_alive_period_in_seconds
         self.model_uri, self.model_channel_name = model_uri, model_channel_name
         self._git_checked_out = False  # True while fit() works inside the clone
+        self._noted_local = False  # the local-mode note is logged once per estimator
         self.git_config = git_config
         # SageMaker-only arguments: attributes as in SageMaker, checked by estimator_args.
         self.volume_kms_key, self.output_kms_key = volume_kms_key, output_kms_key
@@ -193,7 +158,7 @@ class Estimator:
 
     def _default_base_name(self) -> str:
         image = self.training_image_uri()
-        return base_name_from_image(image) if image else "estimator"
+        return job.base_name_from_image(image) if image else "estimator"
 
     def _validate_framework(self) -> None:
         """Framework-specific checks (versions, image, distribution)."""
@@ -258,30 +223,6 @@ class Estimator:
         return region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
             or DEFAULT_REGION
 
-    def _job_name(self, job_name: str | None) -> str:
-        if job_name is not None:
-            if not isinstance(job_name, str) or not _JOB_NAME.fullmatch(job_name):
-                raise _fail("job_name", job_name, f"must match {JOB_NAME_PATTERN} "
-                            "(<= 63 letters/digits, single hyphens inside)")
-            return job_name
-        return name_from_base(self.base_job_name or self._default_base_name())
-
-    def _output_path(self) -> str:
-        if self.output_path is not None:
-            if self._local and not self.output_path.startswith("file://"):
-                return "file://" + str(Path(self.output_path).resolve())
-            return self.output_path
-        if self._local:
-            return "file://" + str(Path.cwd() / "fp16_sdk_jobs")
-        bucket = getattr(self.sagemaker_session, "default_bucket", None)
-        # No session yet: "" lets the remote backend use its session's default bucket.
-        return f"s3://{bucket()}/" if bucket is not None else ""
-
-    def _code_uri(self, job_name: str, output_path: str) -> str:
-        """sagemaker_submit_directory; "" when only the remote backend can know it."""
-        return contract.code_uri(job_name, output_path=output_path,
-                                 code_location=self.code_location)
-
     # ---- running -----------------------------------------------------------------------
 
     def fit(self, inputs=None, wait: bool = True, logs: bool | str = "All",
@@ -308,13 +249,13 @@ class Estimator:
             raise _fail("wait", wait, "must be True or False")
         if logs not in (True, False, "All", "None", "Rules"):
             raise _fail("logs", logs, "must be 'All', 'None', True or False")
-        channels = channels_from_inputs(inputs, local=self._local) + self._model_channel(inputs)
-        self._note_local_no_effect()
-        output_path = self._output_path()
-        name = self._unused_job_name(job_name, output_path)
+        channels = channels_from_inputs(inputs, local=self._local) + job.model_channel(self, inputs)
+        job.note_local_no_effect(self)
+        output_path = job.resolve_output_path(self)
+        name = job.unused_job_name(self, job_name, output_path)
         reserved = encode_hyperparameters({
-            "sagemaker_program": self._program(),
-            "sagemaker_submit_directory": self._code_uri(name, output_path),
+            "sagemaker_program": job.program(self),
+            "sagemaker_submit_directory": job.code_uri(self, name, output_path),
             "sagemaker_container_log_level": self.container_log_level,
             "sagemaker_job_name": name,
             "sagemaker_region": self._region(),
@@ -327,8 +268,8 @@ class Estimator:
             if self._local:  # the claimed folder is still empty: give the name back
                 shutil.rmtree(Path(output_path[len("file://"):]) / name, ignore_errors=True)
             raise
-        sourcedir = self._package(name, output_path)  # removes the claimed folder on failure
-        spec = self._job_spec(name, hyperparameters, sourcedir, channels, output_path)
+        sourcedir = job.package(self, name, output_path)  # removes the claimed folder on failure
+        spec = job.job_spec(self, name, hyperparameters, sourcedir, channels, output_path)
         self._reserved, self._current_job_name = reserved, name
         try:
             self.latest_training_job = backend_for(self._instance()[0],
@@ -338,95 +279,6 @@ class Estimator:
                 shutil.rmtree(Path(sourcedir).parent, ignore_errors=True)
         if wait:
             self.latest_training_job.wait(logs=logs)
-
-    def _model_channel(self, inputs) -> tuple[Channel, ...]:
-        """SageMaker's `model_uri`: one more File-mode channel, `model_channel_name`."""
-        if self.model_uri is None:
-            return ()
-        if isinstance(inputs, dict) and self.model_channel_name in inputs:
-            raise _fail("model_channel_name", self.model_channel_name, "is also an inputs "
-                        "channel; rename one of them")
-        uri = self.model_uri
-        if self._local and not uri.startswith("file://"):
-            uri = "file://" + str(Path(uri).resolve())
-        return channels_from_inputs({self.model_channel_name: TrainingInput(
-            uri, content_type="application/x-sagemaker-model", input_mode="File")},
-            local=self._local)
-
-    def _note_local_no_effect(self) -> None:
-        """Log once which SageMaker-only arguments a local job records but does not use."""
-        if not self._local or getattr(self, "_noted_local", False):
-            return
-        given = self._sagemaker_args().given()
-        values = {k: getattr(self, k) for k in estimator_args.LOCAL_NO_EFFECT}
-        values["enable_network_isolation"] = self._enable_network_isolation  # also a method
-        given.update({k: v for k, v in values.items()
-                      if v != estimator_args.LOCAL_NO_EFFECT[k]})
-        note = estimator_args.local_note(given)
-        if note:
-            logger.info(note)
-        self._noted_local = True
-
-    def _unused_job_name(self, job_name: str | None, output_path: str) -> str:
-        """The job's name; local modes also refuse (given) or skip (generated) used names."""
-        name = self._job_name(job_name)
-        if not self._local:
-            return name
-        jobs = Path(output_path[len("file://"):])
-        while not claim_job_folder(jobs, name):
-            if job_name is not None:
-                raise _fail("job_name", name, f"is already used ({jobs / name} exists, made "
-                            "by an earlier or a concurrent fit()); pick a new name or leave "
-                            "job_name unset")
-            time.sleep(0.001)  # two fit()s in one millisecond: the next name differs
-            name = self._job_name(None)
-        return name
-
-    def _package(self, name: str, output_path: str) -> Path:
-        """Build sourcedir.tar.gz: `<job>/source/` in local modes, a temp folder otherwise."""
-        from fp16_sdk.packaging import build_sourcedir  # fit-time only
-
-        if self._local:
-            dest = Path(output_path[len("file://"):]) / name / "source"
-        else:
-            dest = Path(tempfile.mkdtemp(prefix=f"{name}-source-"))
-        try:
-            return build_sourcedir(entry_point=os.fspath(self.entry_point),
-                                   source_dir=self.source_dir,
-                                   dependencies=self.dependencies, dest_dir=dest)
-        except BaseException:
-            shutil.rmtree(dest.parent if self._local else dest, ignore_errors=True)
-            raise
-
-    def _program(self) -> str:
-        """The entry point's name inside sourcedir.tar.gz (SageMaker's sagemaker_program)."""
-        ep = Path(os.fspath(self.entry_point))
-        if self.source_dir is None:
-            return ep.name
-        if ep.is_absolute():
-            return ep.resolve().relative_to(Path(self.source_dir).resolve()).as_posix()
-        return ep.as_posix()
-
-    def _job_spec(self, name, hyperparameters, sourcedir, channels, output_path) -> JobSpec:
-        return JobSpec(
-            job_name=name, instance_type=self._instance()[0], instance_count=self._instance()[1],
-            hyperparameters=hyperparameters, sourcedir=Path(sourcedir),
-            entry_point=json.loads(hyperparameters["sagemaker_program"]),
-            output_path=output_path, image_uri=self.training_image_uri(), channels=channels,
-            code_location=self.code_location, environment=dict(self.environment),
-            checkpoint_s3_uri=self.checkpoint_s3_uri,
-            checkpoint_local_path=self.checkpoint_local_path,
-            processes_per_host=self._processes_per_host(), volume_size=self.volume_size,
-            max_run=self.max_run, max_wait=self.max_wait,
-            use_spot_instances=self.use_spot_instances, input_mode=self.input_mode,
-            tags=tuple(self.tags), subnets=tuple(self.subnets) if self.subnets else None,
-            security_group_ids=tuple(self.security_group_ids) if self.security_group_ids else None,
-            enable_network_isolation=self._enable_network_isolation,
-            metric_definitions=tuple(self.metric_definitions), role=self.role,
-            keep_alive_period_in_seconds=self.keep_alive_period_in_seconds,
-            container_log_level=self.container_log_level,
-            sagemaker=self._sagemaker_options(),
-            backend_options=dict(self.backend_options))
 
     @classmethod
     def attach(cls, training_job_name: str, sagemaker_session: Any = None) -> "Estimator":

@@ -23,14 +23,12 @@ subreaper of its tree, a toolkit also reaches workers whose torchrun died first.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import datetime as dt
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -45,70 +43,17 @@ from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import (Backend, JobHandle, JobSpec, JobStatus,
                                     refuse_unknown_options)
+from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, Terminated, free_port,
+                                                  pids_with_token, send_signal,
+                                                  sigterm_raises)
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 
 __all__ = ["LocalProcessBackend", "LocalProcessJob", "TOKEN_VAR"]
 
 log = logging.getLogger(__name__)
 
-TOKEN_VAR = "FP16_SDK_JOB_TOKEN"
 _POLL_S = 0.05
 _LIVE: "weakref.WeakSet[LocalProcessJob]" = weakref.WeakSet()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_with_token(token: str) -> list[int]:
-    """Every live process whose environment holds `TOKEN_VAR=token` (Linux /proc)."""
-    needle = f"{TOKEN_VAR}={token}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry.name))
-        except OSError:
-            continue  # gone, or not ours to read
-    return found
-
-
-class _Terminated(BaseException):
-    """SIGTERM arrived while `wait()` had the main thread (see `_sigterm_raises`)."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """Within the block, SIGTERM raises _Terminated, so `wait()` can stop the job first.
-
-    Only on the main thread and only while SIGTERM has its default action: a handler of the
-    user's own is left alone (the lifelines still stop the job if that handler exits).
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        yield
-        return
-
-    def raise_terminated(_signum, _frame):
-        raise _Terminated()
-
-    signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _signal(pid: int, sig: int, *, group: bool = False) -> None:
-    try:
-        (os.killpg if group else os.kill)(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +159,7 @@ class LocalProcessJob(JobHandle):
         root = lc.job_dir(self.spec) / "hosts"
         self._trees = [lc.lay_out_host(self.spec, h, root=root / h, network_interface_name="lo")
                        for h in self.spec.hosts]
-        port = _free_port()
+        port = free_port()
         self._start_time = dt.datetime.now(dt.timezone.utc)
         # Both ends are close-on-exec: no other child of this process inherits the write end
         # (which would keep the pipe open after we die); each toolkit gets the read end only.
@@ -273,17 +218,17 @@ class LocalProcessJob(JobHandle):
         """SIGTERM every process of the job, SIGKILL what is left after the grace period."""
         for sig, wait_s in ((signal.SIGTERM, self._grace), (signal.SIGKILL, 5.0)):
             live = [p for p in self._procs.values() if p.poll() is None]
-            tokened = _pids_with_token(self._token)
+            tokened = pids_with_token(self._token)
             if not live and not tokened:
                 break
             for proc in live:
-                _signal(proc.pid, sig, group=True)
+                send_signal(proc.pid, sig, group=True)
             for pid in tokened:
-                _signal(pid, sig)
+                send_signal(pid, sig)
             end = time.monotonic() + wait_s
             while time.monotonic() < end and (
                     any(p.poll() is None for p in self._procs.values())
-                    or _pids_with_token(self._token)):
+                    or pids_with_token(self._token)):
                 time.sleep(_POLL_S)
         for proc in self._procs.values():
             proc.wait()
@@ -343,12 +288,12 @@ class LocalProcessJob(JobHandle):
             TrainingJobFailedError: a host failed (host, exit code, failure-file text).
         """
         try:
-            with _sigterm_raises():
+            with sigterm_raises():
                 self._log.follow(show=logs not in (False, "None"))
         except KeyboardInterrupt:
             self.stop()
             raise
-        except _Terminated:
+        except Terminated:
             self.stop()
             os.kill(os.getpid(), signal.SIGTERM)  # the default action is back: we end here
             raise SystemExit(128 + signal.SIGTERM)  # not reached: SIGTERM ends the process

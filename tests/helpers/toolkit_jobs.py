@@ -55,6 +55,7 @@ def make_job(tmp_path: Path, files: dict[str, str], hps: dict, *, program: str =
 
 
 def toolkit_env(base: Path, **extra: str) -> dict[str, str]:
+    """This environment without SM_*/FP16_SDK_*/MASTER_*/NCCL_*, plus what a platform sets."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SM_", "FP16_SDK_", "MASTER_", "NCCL_"))}
     env.update({"SAGEMAKER_BASE_DIR": str(base), "FP16_SDK_MASTER_PORT": str(free_port()),
@@ -63,7 +64,9 @@ def toolkit_env(base: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_toolkit(base: Path, *, cmd=None, timeout: float = 120, **extra) -> subprocess.CompletedProcess:
+def run_toolkit(base: Path, *, cmd=None, timeout: float = 120,
+                **extra) -> subprocess.CompletedProcess:
+    """Run `train` (default `python -m fp16_sdk.toolkit`) on the tree at `base`."""
     cmd = cmd or [sys.executable, "-m", "fp16_sdk.toolkit"]
     return subprocess.run(cmd, env=toolkit_env(base, **extra), capture_output=True, text=True,
                           timeout=timeout)
