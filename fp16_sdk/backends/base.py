@@ -69,8 +69,9 @@ class JobSpec:
         keep_alive_period_in_seconds, container_log_level: as in SageMaker's estimator.
         sagemaker: the SageMaker-only request pieces (Debugger, Profiler, KMS, retries...),
             already validated; other backends ignore them (the estimator notes that once).
-        backend_options: backend-specific knobs the estimator passes through unchanged
-            (e.g. {"shm_size": "2g", "pass_aws_credentials": False} for local Docker).
+        backend_options: backend-specific knobs, already checked by the chosen backend's
+            `parse_options` (e.g. {"shm_size": "2g"} for local Docker); the backend parses
+            them again into its typed options at submit.
     """
 
     job_name: str

@@ -160,7 +160,7 @@ def _flags(spec: JobSpec) -> dict:
 
 def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
                            role_arn: str) -> dict:
-    """The `CreateTrainingJob` arguments for `spec` (contract §5), optional keys only when set.
+    """The `CreateTrainingJob` arguments for `spec`, optional keys only when set.
 
     Field names and shapes are those of the real SDK v2's `Session._get_train_request`.
     """
