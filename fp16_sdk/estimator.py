@@ -1,10 +1,10 @@
 """`Estimator`: the framework-agnostic half of `sagemaker.estimator.Estimator`.
 
-Same argument names and defaults as SageMaker's estimator (contract §1). Everything that can be
-checked is checked at construction and again at the top of `fit()`, before a file is written
-or a process started; every `ConfigError` names the key, the value and the fix. `fit()` turns
-the estimator into a typed `JobSpec` and hands it to the backend chosen once from
-`instance_type` (`backends.base.backend_for`).
+Same argument names and defaults as SageMaker's estimator. Everything that can be checked is
+checked at construction and again at the top of `fit()`, before a file is written or a process
+started (`estimator_validation.validate`); every `ConfigError` names the key, the value and
+the fix. `fit()` turns the estimator into a typed `JobSpec` and hands it to the backend chosen
+once from `instance_type` and the session (`backends.base.backend_for`, a table of backends).
 
 Decisions (where SageMaker leaves room):
 - Script mode only: `entry_point` is required.
@@ -13,160 +13,33 @@ Decisions (where SageMaker leaves room):
   paths, s3:// is refused there. Pipe input mode is refused in local modes.
 - `sagemaker_region` comes from the session (`boto_region_name`), else AWS_REGION /
   AWS_DEFAULT_REGION, else "us-east-1"; no AWS call is made.
-- `backend_options` (not in SageMaker) is passed to the backend unchanged.
+- `backend_options` (not in SageMaker) is parsed by the chosen backend (`parse_options`),
+  unknown keys refused, and passed to it in the `JobSpec`.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
-import re
 import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk import estimator_args
-from fp16_sdk.backends.base import LOCAL_TYPES, Channel, JobHandle, JobSpec, backend_for
-from fp16_sdk.git_source import check_git_config
-from fp16_sdk.git_source import checkout as git_checkout
+from fp16_sdk import estimator_args, estimator_validation
+from fp16_sdk import estimator_job as job
+from fp16_sdk.backends.base import LOCAL_TYPES, JobHandle, backend_for
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.inputs import INPUT_MODES, TrainingInput, channels_from_inputs
+from fp16_sdk.estimator_validation import check_hyperparameter_limits, encode_hyperparameters
+from fp16_sdk.estimator_validation import fail as _fail
+from fp16_sdk.git_source import checkout as git_checkout
+from fp16_sdk.inputs import channels_from_inputs
 
-__all__ = ["Estimator", "name_from_base", "base_name_from_image", "claim_job_folder",
-           "JOB_NAME_PATTERN"]
+__all__ = ["Estimator"]
 
 logger = logging.getLogger(__name__)
 
-JOB_NAME_PATTERN = r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}"
-# Matched with fullmatch: `$` would also accept a trailing newline.
-_JOB_NAME = re.compile(JOB_NAME_PATTERN)
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_REGION = "us-east-1"
-# CreateTrainingJob limits.
-MAX_HYPERPARAMETERS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
-MAX_ENV, MAX_ENV_KEY, MAX_ENV_VALUE = 100, 512, 512
-MAX_METRICS, MAX_TAGS = 40, 50
-MAX_KEEP_ALIVE = 21600  # ResourceConfig.KeepAlivePeriodInSeconds
-
-
-def sagemaker_timestamp(moment: float | None = None) -> str:
-    """UTC `%Y-%m-%d-%H-%M-%S-<ms>`, SageMaker's job-name suffix."""
-    moment = time.time() if moment is None else moment
-    ms = int(moment * 1000) % 1000
-    return time.strftime(f"%Y-%m-%d-%H-%M-%S-{ms:03d}", time.gmtime(moment))
-
-
-def name_from_base(base: str, max_length: int = 63) -> str:
-    """`<base>-<timestamp>`, the base trimmed so the name fits in `max_length`."""
-    stamp = sagemaker_timestamp()
-    return f"{base[: max_length - len(stamp) - 1]}-{stamp}"
-
-
-def base_name_from_image(image: str) -> str:
-    """The repository part of an image URI: `acct.dkr.ecr.../pytorch-training:2.1` -> `pytorch-training`."""
-    m = re.match(r"^(.+/)?([^:/]+)(:[^:]+)?$", image)
-    return m.group(2) if m else image
-
-
-def _fail(key: str, value: Any, fix: str) -> ConfigError:
-    return ConfigError(f"{key}={_shorten(value)} {fix}", key=key, value=value)
-
-
-def _shorten(value: Any, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters: errors name a value, they do not echo 4 MB."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
-
-
-def _strings_in(value: Any):
-    """Every str inside a JSON-shaped value (dict keys included)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings_in(k)
-            yield from _strings_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _strings_in(v)
-
-
-def claim_job_folder(jobs: Path, name: str) -> bool:
-    """Create `jobs/name` exclusively; False if it exists. A local job is claimed this way,
-    so two processes given the same job_name can never share (or delete) one folder."""
-    jobs.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(jobs / name)
-    except FileExistsError:
-        return False
-    return True
-
-
-def _check_int(key: str, value: Any, *, minimum: int, maximum: int | None = None,
-               optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(key, value, f"must be an integer >= {minimum}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-        raise _fail(key, value, f"must be {bound}")
-
-
-def _check_str_list(key: str, value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, (list, tuple)) or not value or \
-            not all(isinstance(v, str) and v for v in value):
-        raise _fail(key, value, "must be a non-empty list of strings (e.g. ['subnet-0abc'])")
-
-
-def encode_hyperparameters(raw: dict) -> dict[str, str]:
-    """SageMaker's encoding: every value JSON-encoded (`1` -> `"1"`, `"a"` -> `"\\"a\\""`).
-
-    Raises:
-        ConfigError: a key that is not a string, a value JSON cannot encode.
-    """
-    out = {}
-    for key, value in raw.items():
-        if not isinstance(key, str) or not key:
-            raise _fail("hyperparameters", key, "keys must be non-empty strings")
-        # The container passes each one as `--key value` and SM_HP_<KEY>=value: an
-        # environment variable name cannot hold '=' and no argv/env string can hold NUL.
-        if "=" in key or "\x00" in key:
-            raise _fail("hyperparameters", key, "keys must not contain '=' or NUL (they become "
-                        "SM_HP_<KEY> environment variables); rename the key")
-        if any("\x00" in text for text in _strings_in(value)):
-            raise ConfigError(f"hyperparameters[{key!r}]={_shorten(value)} contains a NUL "
-                              "character, which no command-line argument or environment "
-                              "variable can hold; remove it", key=key, value=value)
-        try:
-            out[key] = json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"hyperparameters[{key!r}]={value!r} cannot be JSON-encoded "
-                              f"({exc}); use numbers, strings, lists or dicts", key=key,
-                              value=value) from None
-    return out
-
-
-def check_hyperparameter_limits(encoded: dict[str, str]) -> None:
-    """CreateTrainingJob's limits: <= 100 entries, key <= 256, encoded value <= 2500 chars."""
-    if len(encoded) > MAX_HYPERPARAMETERS:
-        raise _fail("hyperparameters", f"{len(encoded)} entries",
-                    f"exceeds SageMaker's limit of {MAX_HYPERPARAMETERS} (sagemaker_* keys "
-                    "included); pass large settings in a file in source_dir instead")
-    for key, value in encoded.items():
-        if len(key) > MAX_HP_KEY:
-            raise _fail("hyperparameters", key[:40] + "...", f"key is {len(key)} chars; the "
-                        f"limit is {MAX_HP_KEY}: use a shorter name")
-        if len(value) > MAX_HP_VALUE:
-            raise ConfigError(
-                f"hyperparameters[{key!r}] is {len(value)} chars once JSON-encoded; the limit is "
-                f"{MAX_HP_VALUE}: pass it in a file in source_dir instead", key=key, value=value)
 
 
 class Estimator:
@@ -244,6 +117,7 @@ class Estimator:
         self.keep_alive_period_in_seconds = keep_alive_period_in_seconds
         self.model_uri, self.model_channel_name = model_uri, model_channel_name
         self._git_checked_out = False  # True while fit() works inside the clone
+        self._noted_local = False  # the local-mode note is logged once per estimator
         self.git_config = git_config
         # SageMaker-only arguments: attributes as in SageMaker, checked by estimator_args.
         self.volume_kms_key, self.output_kms_key = volume_kms_key, output_kms_key
@@ -284,7 +158,7 @@ class Estimator:
 
     def _default_base_name(self) -> str:
         image = self.training_image_uri()
-        return base_name_from_image(image) if image else "estimator"
+        return job.base_name_from_image(image) if image else "estimator"
 
     def _validate_framework(self) -> None:
         """Framework-specific checks (versions, image, distribution)."""
@@ -297,6 +171,7 @@ class Estimator:
 
     @property
     def _local(self) -> bool:
+        """Whether the job runs on this machine (a `local` backend of the table)."""
         return self.instance_type in LOCAL_TYPES
 
     def enable_network_isolation(self) -> bool:
@@ -322,174 +197,7 @@ class Estimator:
         return groups if groups is not None else (self.instance_type, self.instance_count)
 
     def _validate(self) -> None:
-        self._sagemaker_options()
-        self._validate_resources()
-        self._validate_code()
-        self._validate_locations()
-        self._validate_mappings()
-        self._validate_vpc_and_flags()
-        self._validate_framework()
-        check_hyperparameter_limits(self.hyperparameters())
-
-    def _validate_resources(self) -> None:
-        if self.instance_groups is not None:
-            if self.instance_type is not None or self.instance_count is not None:
-                raise _fail("instance_groups", self.instance_groups, "replaces instance_type "
-                            "and instance_count: set both to None (SageMaker's rule)")
-            if getattr(self.sagemaker_session, "backend_name", None) == "ec2":
-                raise _fail("instance_groups", self.instance_groups, "is a SageMaker "
-                            "heterogeneous cluster; the EC2 backend runs one instance type: "
-                            "give instance_type and instance_count")
-            return self._validate_limits()
-        if self.instance_type is None:
-            raise _fail("instance_type", None, "is required: use 'local_process' (this machine), "
-                        "'local'/'local_gpu' (Docker) or a SageMaker type such as 'ml.p4d.24xlarge'")
-        if not isinstance(self.instance_type, str) or not (
-                self.instance_type in LOCAL_TYPES or self.instance_type.startswith("ml.")):
-            raise _fail("instance_type", self.instance_type, "must be 'local_process', 'local', "
-                        "'local_gpu' or a SageMaker type starting with 'ml.'")
-        if self.instance_count is None:
-            raise _fail("instance_count", None, "is required: the number of hosts, e.g. 1")
-        _check_int("instance_count", self.instance_count, minimum=1)
-        self._validate_limits()
-
-    def _validate_limits(self) -> None:
-        _check_int("volume_size", self.volume_size, minimum=1)
-        _check_int("max_run", self.max_run, minimum=1)
-        _check_int("max_wait", self.max_wait, minimum=1, optional=True)
-        _check_int("keep_alive_period_in_seconds", self.keep_alive_period_in_seconds,
-                   minimum=0, maximum=MAX_KEEP_ALIVE, optional=True)
-        if isinstance(self.container_log_level, bool) or not isinstance(self.container_log_level, int):
-            raise _fail("container_log_level", self.container_log_level,
-                        "must be a logging level number such as logging.INFO (20)")
-        if self.input_mode not in INPUT_MODES:
-            raise _fail("input_mode", self.input_mode, f"must be one of {', '.join(INPUT_MODES)}")
-        if self._local and self.input_mode == "Pipe":
-            raise _fail("input_mode", "Pipe", "is not available in local modes; use 'File'")
-
-    def _validate_code(self) -> None:
-        if self.git_config is not None:
-            check_git_config(self.git_config)
-            if not self._git_checked_out:
-                return  # the code paths are read inside the clone, at fit() (git_source.py)
-        ep = self.entry_point
-        if ep is None:
-            raise _fail("entry_point", None, "is required: the path of your training script")
-        if not isinstance(ep, (str, os.PathLike)):
-            raise _fail("entry_point", ep, "must be a path string such as 'train.py'")
-        ep = os.fspath(ep)
-        if ep.startswith("s3://"):
-            raise _fail("entry_point", ep, "must be a path to a local file (s3:// is not "
-                        "supported); download the script and pass its path")
-        if self.source_dir is not None:
-            src = os.fspath(self.source_dir)
-            if src.startswith("s3://"):
-                raise _fail("source_dir", src, "must be a local folder (s3:// is not supported)")
-            if not Path(src).is_dir():
-                raise _fail("source_dir", src, "must be an existing folder")
-            if not (Path(src) / ep).is_file():
-                raise _fail("entry_point", ep, f"was not found in source_dir {src!r}; give it "
-                            "relative to source_dir")
-        elif not Path(ep).is_file():
-            raise _fail("entry_point", ep, "does not exist or is not a file; give the script's path")
-        if not isinstance(self.dependencies, list):
-            raise _fail("dependencies", self.dependencies, "must be a list of local paths")
-        for dep in self.dependencies:
-            if not isinstance(dep, (str, os.PathLike)) or not Path(dep).exists():
-                raise _fail("dependencies", dep, "must be an existing local file or folder")
-
-    def _check_uri(self, key: str, value: Any, *, remote_only_s3: bool = True) -> None:
-        if value is None:
-            return
-        if not isinstance(value, str) or not value:
-            raise _fail(key, value, "must be a URI string")
-        if self._local:
-            if value.startswith("s3://"):
-                raise _fail(key, value, "local modes use no AWS account: give a file:// URI "
-                            "or a local path")
-        elif value.startswith("file://") or not value.startswith("s3://"):
-            raise _fail(key, value, f"must be an s3:// URI for instance_type {self.instance_type!r}"
-                        " (file:// works only in local modes)")
-
-    def _validate_locations(self) -> None:
-        self._check_uri("output_path", self.output_path)
-        self._check_uri("code_location", self.code_location)
-        self._check_uri("checkpoint_s3_uri", self.checkpoint_s3_uri)
-        self._check_uri("model_uri", self.model_uri)
-        if not isinstance(self.model_channel_name, str) or not self.model_channel_name:
-            raise _fail("model_channel_name", self.model_channel_name, "must be a channel name "
-                        "such as 'model'")
-        cpl = self.checkpoint_local_path
-        if cpl is not None and (not isinstance(cpl, str) or not cpl.startswith("/")):
-            raise _fail("checkpoint_local_path", cpl, "must be an absolute path such as "
-                        "'/opt/ml/checkpoints'")
-        if self.base_job_name is not None and (not isinstance(self.base_job_name, str)
-                                               or not _JOB_NAME.fullmatch(self.base_job_name)):
-            raise _fail("base_job_name", self.base_job_name, "must match "
-                        f"{JOB_NAME_PATTERN} (letters, digits, single hyphens inside)")
-
-    def _validate_mappings(self) -> None:
-        if not isinstance(self._hyperparameters, dict):
-            raise _fail("hyperparameters", self._hyperparameters, "must be a dict name -> value")
-        for key, value, kind in (("environment", self.environment, dict),
-                                 ("metric_definitions", self.metric_definitions, list),
-                                 ("tags", self.tags, list)):
-            if not isinstance(value, kind):
-                raise _fail(key, value, f"must be a {kind.__name__}")
-        env = self.environment
-        if len(env) > MAX_ENV:
-            raise _fail("environment", f"{len(env)} entries", f"exceeds the limit of {MAX_ENV}")
-        for key, value in env.items():
-            if not isinstance(key, str) or not _ENV_NAME.fullmatch(key) or len(key) > MAX_ENV_KEY:
-                raise _fail("environment", key, "keys must be variable names "
-                            "([A-Za-z_][A-Za-z0-9_]*, <= 512 chars)")
-            if not isinstance(value, str) or len(value) > MAX_ENV_VALUE:
-                shown = _shorten(value)
-                raise ConfigError(f"environment[{key!r}]={shown} must be a string of at most "
-                                  f"{MAX_ENV_VALUE} chars (write str(...) or shorten it)",
-                                  key=key, value=shown)
-        self._validate_metric_definitions()
-        if len(self.tags) > MAX_TAGS or not all(
-                isinstance(t, dict) and set(t) == {"Key", "Value"} for t in self.tags):
-            raise _fail("tags", self.tags, "must be a list of at most 50 "
-                        "{'Key': ..., 'Value': ...} dicts")
-
-    def _validate_metric_definitions(self) -> None:
-        names = set()
-        if len(self.metric_definitions) > MAX_METRICS:
-            raise _fail("metric_definitions", len(self.metric_definitions),
-                        f"entries exceed SageMaker's limit of {MAX_METRICS}")
-        for md in self.metric_definitions:
-            if not isinstance(md, dict) or set(md) != {"Name", "Regex"} or \
-                    not all(isinstance(v, str) and v for v in md.values()):
-                raise _fail("metric_definitions", md, "entries must be {'Name': str, 'Regex': str}")
-            try:
-                re.compile(md["Regex"])
-            except re.error as exc:
-                raise _fail("metric_definitions", md["Regex"], f"is not a valid regex ({exc})") from None
-            if md["Name"] in names:
-                raise _fail("metric_definitions", md["Name"], "is defined twice; names must be unique")
-            names.add(md["Name"])
-
-    def _validate_vpc_and_flags(self) -> None:
-        _check_str_list("subnets", self.subnets)
-        _check_str_list("security_group_ids", self.security_group_ids)
-        if (self.subnets is None) != (self.security_group_ids is None):
-            given, missing = ("subnets", "security_group_ids") if self.subnets is not None \
-                else ("security_group_ids", "subnets")
-            raise _fail(missing, None, f"is required when {given} is given: pass both or neither")
-        for key, value in (("use_spot_instances", self.use_spot_instances),
-                           ("enable_network_isolation", self._enable_network_isolation)):
-            if not isinstance(value, bool):
-                raise _fail(key, value, "must be True or False")
-        if self.use_spot_instances and (self.max_wait is None or self.max_wait < self.max_run):
-            raise _fail("max_wait", self.max_wait, f"must be >= max_run ({self.max_run}) when "
-                        "use_spot_instances=True; set max_wait")
-        if not self.use_spot_instances and self.max_wait is not None:
-            raise _fail("max_wait", self.max_wait, "is only used with use_spot_instances=True; "
-                        "set use_spot_instances=True or drop max_wait")
-        if not isinstance(self.backend_options, dict):
-            raise _fail("backend_options", self.backend_options, "must be a dict")
+        estimator_validation.validate(self)
 
     # ---- hyperparameters and naming ----------------------------------------------------
 
@@ -514,34 +222,6 @@ class Estimator:
         region = getattr(self.sagemaker_session, "boto_region_name", None)
         return region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
             or DEFAULT_REGION
-
-    def _job_name(self, job_name: str | None) -> str:
-        if job_name is not None:
-            if not isinstance(job_name, str) or not _JOB_NAME.fullmatch(job_name):
-                raise _fail("job_name", job_name, f"must match {JOB_NAME_PATTERN} "
-                            "(<= 63 letters/digits, single hyphens inside)")
-            return job_name
-        return name_from_base(self.base_job_name or self._default_base_name())
-
-    def _output_path(self) -> str:
-        if self.output_path is not None:
-            if self._local and not self.output_path.startswith("file://"):
-                return "file://" + str(Path(self.output_path).resolve())
-            return self.output_path
-        if self._local:
-            return "file://" + str(Path.cwd() / "fp16_sdk_jobs")
-        bucket = getattr(self.sagemaker_session, "default_bucket", None)
-        # No session yet: "" lets the remote backend use its session's default bucket.
-        return f"s3://{bucket()}/" if bucket is not None else ""
-
-    def _code_uri(self, job_name: str, output_path: str) -> str:
-        """sagemaker_submit_directory; "" when only the remote backend can know it."""
-        if self._local:
-            return f"{output_path.rstrip('/')}/{job_name}/source/sourcedir.tar.gz"
-        if not self.code_location and not output_path:
-            return ""
-        base = self.code_location or "s3://" + output_path[len("s3://"):].split("/", 1)[0]
-        return f"{base.rstrip('/')}/{job_name}/source/sourcedir.tar.gz"
 
     # ---- running -----------------------------------------------------------------------
 
@@ -569,13 +249,13 @@ class Estimator:
             raise _fail("wait", wait, "must be True or False")
         if logs not in (True, False, "All", "None", "Rules"):
             raise _fail("logs", logs, "must be 'All', 'None', True or False")
-        channels = channels_from_inputs(inputs, local=self._local) + self._model_channel(inputs)
-        self._note_local_no_effect()
-        output_path = self._output_path()
-        name = self._unused_job_name(job_name, output_path)
+        channels = channels_from_inputs(inputs, local=self._local) + job.model_channel(self, inputs)
+        job.note_local_no_effect(self)
+        output_path = job.resolve_output_path(self)
+        name = job.unused_job_name(self, job_name, output_path)
         reserved = encode_hyperparameters({
-            "sagemaker_program": self._program(),
-            "sagemaker_submit_directory": self._code_uri(name, output_path),
+            "sagemaker_program": job.program(self),
+            "sagemaker_submit_directory": job.code_uri(self, name, output_path),
             "sagemaker_container_log_level": self.container_log_level,
             "sagemaker_job_name": name,
             "sagemaker_region": self._region(),
@@ -588,8 +268,8 @@ class Estimator:
             if self._local:  # the claimed folder is still empty: give the name back
                 shutil.rmtree(Path(output_path[len("file://"):]) / name, ignore_errors=True)
             raise
-        sourcedir = self._package(name, output_path)  # removes the claimed folder on failure
-        spec = self._job_spec(name, hyperparameters, sourcedir, channels, output_path)
+        sourcedir = job.package(self, name, output_path)  # removes the claimed folder on failure
+        spec = job.job_spec(self, name, hyperparameters, sourcedir, channels, output_path)
         self._reserved, self._current_job_name = reserved, name
         try:
             self.latest_training_job = backend_for(self._instance()[0],
@@ -599,95 +279,6 @@ class Estimator:
                 shutil.rmtree(Path(sourcedir).parent, ignore_errors=True)
         if wait:
             self.latest_training_job.wait(logs=logs)
-
-    def _model_channel(self, inputs) -> tuple[Channel, ...]:
-        """SageMaker's `model_uri`: one more File-mode channel, `model_channel_name`."""
-        if self.model_uri is None:
-            return ()
-        if isinstance(inputs, dict) and self.model_channel_name in inputs:
-            raise _fail("model_channel_name", self.model_channel_name, "is also an inputs "
-                        "channel; rename one of them")
-        uri = self.model_uri
-        if self._local and not uri.startswith("file://"):
-            uri = "file://" + str(Path(uri).resolve())
-        return channels_from_inputs({self.model_channel_name: TrainingInput(
-            uri, content_type="application/x-sagemaker-model", input_mode="File")},
-            local=self._local)
-
-    def _note_local_no_effect(self) -> None:
-        """Log once which SageMaker-only arguments a local job records but does not use."""
-        if not self._local or getattr(self, "_noted_local", False):
-            return
-        given = self._sagemaker_args().given()
-        values = {k: getattr(self, k) for k in estimator_args.LOCAL_NO_EFFECT}
-        values["enable_network_isolation"] = self._enable_network_isolation  # also a method
-        given.update({k: v for k, v in values.items()
-                      if v != estimator_args.LOCAL_NO_EFFECT[k]})
-        note = estimator_args.local_note(given)
-        if note:
-            logger.info(note)
-        self._noted_local = True
-
-    def _unused_job_name(self, job_name: str | None, output_path: str) -> str:
-        """The job's name; local modes also refuse (given) or skip (generated) used names."""
-        name = self._job_name(job_name)
-        if not self._local:
-            return name
-        jobs = Path(output_path[len("file://"):])
-        while not claim_job_folder(jobs, name):
-            if job_name is not None:
-                raise _fail("job_name", name, f"is already used ({jobs / name} exists, made "
-                            "by an earlier or a concurrent fit()); pick a new name or leave "
-                            "job_name unset")
-            time.sleep(0.001)  # two fit()s in one millisecond: the next name differs
-            name = self._job_name(None)
-        return name
-
-    def _package(self, name: str, output_path: str) -> Path:
-        """Build sourcedir.tar.gz: `<job>/source/` in local modes, a temp folder otherwise."""
-        from fp16_sdk.packaging import build_sourcedir  # fit-time only
-
-        if self._local:
-            dest = Path(output_path[len("file://"):]) / name / "source"
-        else:
-            dest = Path(tempfile.mkdtemp(prefix=f"{name}-source-"))
-        try:
-            return build_sourcedir(entry_point=os.fspath(self.entry_point),
-                                   source_dir=self.source_dir,
-                                   dependencies=self.dependencies, dest_dir=dest)
-        except BaseException:
-            shutil.rmtree(dest.parent if self._local else dest, ignore_errors=True)
-            raise
-
-    def _program(self) -> str:
-        """The entry point's name inside sourcedir.tar.gz (SageMaker's sagemaker_program)."""
-        ep = Path(os.fspath(self.entry_point))
-        if self.source_dir is None:
-            return ep.name
-        if ep.is_absolute():
-            return ep.resolve().relative_to(Path(self.source_dir).resolve()).as_posix()
-        return ep.as_posix()
-
-    def _job_spec(self, name, hyperparameters, sourcedir, channels, output_path) -> JobSpec:
-        return JobSpec(
-            job_name=name, instance_type=self._instance()[0], instance_count=self._instance()[1],
-            hyperparameters=hyperparameters, sourcedir=Path(sourcedir),
-            entry_point=json.loads(hyperparameters["sagemaker_program"]),
-            output_path=output_path, image_uri=self.training_image_uri(), channels=channels,
-            code_location=self.code_location, environment=dict(self.environment),
-            checkpoint_s3_uri=self.checkpoint_s3_uri,
-            checkpoint_local_path=self.checkpoint_local_path,
-            processes_per_host=self._processes_per_host(), volume_size=self.volume_size,
-            max_run=self.max_run, max_wait=self.max_wait,
-            use_spot_instances=self.use_spot_instances, input_mode=self.input_mode,
-            tags=tuple(self.tags), subnets=tuple(self.subnets) if self.subnets else None,
-            security_group_ids=tuple(self.security_group_ids) if self.security_group_ids else None,
-            enable_network_isolation=self._enable_network_isolation,
-            metric_definitions=tuple(self.metric_definitions), role=self.role,
-            keep_alive_period_in_seconds=self.keep_alive_period_in_seconds,
-            container_log_level=self.container_log_level,
-            sagemaker=self._sagemaker_options(),
-            backend_options=dict(self.backend_options))
 
     @classmethod
     def attach(cls, training_job_name: str, sagemaker_session: Any = None) -> "Estimator":
@@ -700,11 +291,7 @@ class Estimator:
         Raises:
             BackendError: no such job.
         """
-        backend = backend_for("ml.attach", session=sagemaker_session)
-        if not hasattr(backend, "attach"):
-            raise _fail("sagemaker_session", sagemaker_session,
-                        "selects a backend that cannot attach to jobs")
-        handle = backend.attach(training_job_name)
+        handle = backend_for(None, session=sagemaker_session).attach(training_job_name)
         est = cls.__new__(cls)
         est.sagemaker_session = sagemaker_session
         est.latest_training_job = handle

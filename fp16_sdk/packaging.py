@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from fp16_sdk import contract
 from fp16_sdk.errors import PackagingError
 from fp16_sdk.extraction import safe_extract
 
@@ -29,7 +30,7 @@ __all__ = ["SOURCEDIR_NAME", "EXCLUDED_NAMES", "build_sourcedir", "safe_extract"
 
 log = logging.getLogger(__name__)
 
-SOURCEDIR_NAME = "sourcedir.tar.gz"
+SOURCEDIR_NAME = contract.SOURCEDIR_NAME
 # Never packaged: caches and VCS metadata change between runs without changing the code.
 EXCLUDED_NAMES = frozenset({"__pycache__", ".git", ".ipynb_checkpoints"})
 _EXCLUDED_SUFFIXES = (".pyc", ".pyo")

@@ -27,7 +27,8 @@ from typing import Any
 
 from fp16_sdk.config import DistributionConfig
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.estimator import Estimator, base_name_from_image
+from fp16_sdk.estimator import Estimator
+from fp16_sdk.estimator_job import base_name_from_image
 from fp16_sdk.estimator_args import V1_NAMES
 from fp16_sdk.image import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from proc_utils import Proc, descendants_of, kill_all, scan, wait_gone
+from helpers.procs import Proc, descendants_of, kill_all, scan, wait_gone
 
 SESSION_VAR = "FP16_SDK_TEST_SESSION"
 LEAK_WAIT_S = 10.0  # the promptness bound: a job's processes are gone within 10 s

@@ -11,7 +11,7 @@ from torch import nn
 
 import smdistributed.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch import activation_checkpointing as ac
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 H = 6
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from fp16_sdk.modelparallel.torch import checkpoint_files as cf
-from mp_utils import free_port, run_ranks
-from proc_utils import kill_all, wait_gone, with_env
+from helpers.mp import free_port, run_ranks
+from helpers.procs import kill_all, wait_gone, with_env
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ckpt_train.py"

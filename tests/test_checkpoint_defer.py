@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 VOCAB, HIDDEN, SEQ, BATCH, STEPS, SAVE_AT = 13, 8, 4, 4, 4, 2
 SMP = {"pipeline_parallel_degree": 2, "microbatches": 2}

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from fp16_sdk.modelparallel.torch.checkpoint_files import MANIFEST, PAUSE_ENV
-from mp_utils import free_port
+from helpers.mp import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ckpt_kill.py"

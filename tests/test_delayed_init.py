@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.state import state
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 VOCAB, HIDDEN, LAYERS = 16, 256, 8
 

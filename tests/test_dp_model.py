@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from mp_utils import RankFailed, free_port, run_ranks
+from helpers.mp import RankFailed, free_port, run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

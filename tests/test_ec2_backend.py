@@ -18,7 +18,6 @@ import base64
 import io
 import json
 import os
-import socket
 import subprocess
 import tarfile
 import threading
@@ -26,7 +25,8 @@ import uuid
 
 import pytest
 
-from aws_emulator import REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.ports import free_port
 from fp16_sdk.backends.base import Channel, JobSpec, JobStatus, backend_for
 from fp16_sdk.backends.ec2 import EC2Backend, channel_manifest
 from fp16_sdk.errors import ConfigError, TrainingJobFailedError
@@ -211,12 +211,6 @@ def engine():
     yield client
     for container in client.containers.list(all=True, filters={"label": label}):
         container.remove(force=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_stand_ins(client, session, aws, job_name: str, hosts: list[str], tmp_path):

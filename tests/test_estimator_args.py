@@ -14,7 +14,8 @@ import logging
 
 import pytest
 
-from aws_emulator import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import capture_requests, make_buckets
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.pytorch import PyTorch
 from fp16_sdk.session import Session
@@ -36,12 +37,8 @@ def script(tmp_path, monkeypatch):
 def submit(script, **kwargs) -> dict:
     """PyTorch(...).fit() against the emulator; returns the request as sent on the wire."""
     session = Session()
-    session.client("s3").create_bucket(Bucket="out-bucket", CreateBucketConfiguration={
-        "LocationConstraint": REGION})
-    sent: list[dict] = []
-    session.sagemaker_client.meta.events.register(
-        "before-send.sagemaker.CreateTrainingJob",
-        lambda request, **_: sent.append(json.loads(request.body)))
+    make_buckets(session, "out-bucket")
+    sent = capture_requests(session, "CreateTrainingJob")
     args = dict(entry_point="train.py", source_dir=str(script), image_uri=IMAGE, role=ROLE,
                 instance_type="ml.p4d.24xlarge", instance_count=1, sagemaker_session=session,
                 output_path="s3://out-bucket/models", framework_version="1.12", py_version="py38")

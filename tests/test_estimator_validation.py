@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 import fp16_sdk.estimator as estimator_mod
+import fp16_sdk.estimator_validation as validation
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.estimator import base_name_from_image, name_from_base
+from fp16_sdk.estimator_job import base_name_from_image, claim_job_folder, name_from_base
 from fp16_sdk.inputs import TrainingInput
 from fp16_sdk.pytorch import PyTorch
 
@@ -218,7 +219,7 @@ def test_name_from_base_trims_to_63():
     base = "b" * 60
     name = name_from_base(base)
     assert len(name) == 63 and name.startswith("b" * (63 - 24))  # 23-char stamp + hyphen
-    assert re.fullmatch(estimator_mod.JOB_NAME_PATTERN, name)
+    assert re.fullmatch(validation.JOB_NAME_PATTERN, name)
 
 
 @pytest.mark.parametrize("image, base", [
@@ -348,7 +349,7 @@ def test_job_name_reuse_is_refused(workdir, recorder):
 
 
 def test_over_long_env_value_is_not_echoed_whole(workdir):
-    value = "secret-" + "v" * (estimator_mod.MAX_ENV_VALUE + 10)
+    value = "secret-" + "v" * (validation.MAX_ENV_VALUE + 10)
     with pytest.raises(ConfigError, match="BIG") as err:
         make(workdir, environment={"BIG": value})
     assert len(str(err.value)) < 400 and f"{len(repr(value))} chars" in str(err.value)
@@ -364,7 +365,7 @@ def test_explicit_job_name_already_claimed_is_refused(workdir, recorder):
 def _race(jobs: str, names: list[str], start: float, queue) -> None:
     while time.time() < start:  # both processes leave this loop at the same instant
         pass
-    queue.put([n for n in names if estimator_mod.claim_job_folder(Path(jobs), n)])
+    queue.put([n for n in names if claim_job_folder(Path(jobs), n)])
 
 
 def test_two_processes_never_claim_one_job_folder(tmp_path):

@@ -1,7 +1,7 @@
 """DistributedOptimizer in fp16/bf16/fp32 mode against plain-PyTorch references.
 
 Single-process cases run in this process (world 1; on the GPU machine they run on CUDA);
-data-parallel cases run on 2 real Gloo ranks (tests/mp_utils.run_ranks).
+data-parallel cases run on 2 real Gloo ranks (tests/helpers/mp.run_ranks).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.fp16.fused_step import triton_available
 from fp16_sdk.modelparallel.torch.fp16.loss_scaler import DynamicLossScaler
 from fp16_sdk.modelparallel.torch.state import state
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # The fused step runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1).
@@ -382,7 +382,7 @@ def test_dp1_reducer_keeps_grads_in_place(start, fp16):
 
 # ---- data parallel on 2 Gloo ranks ---------------------------------------------------------
 def _cpu_only():
-    # This module asks torch about CUDA at import (DEVICES), before mp_utils hides the GPUs in
+    # This module asks torch about CUDA at import (DEVICES), before helpers.mp hides the GPUs in
     # the child; on a one-GPU machine rank 1 would then pick cuda:1. Keep the ranks on CPU.
     torch.cuda.is_available = lambda: False
 

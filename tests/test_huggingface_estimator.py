@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from aws_emulator import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import capture_requests, make_buckets
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.huggingface import HuggingFace
 from fp16_sdk.session import Session
@@ -98,12 +99,8 @@ def test_local_process_fit_runs_the_script(script):
 
 def test_sagemaker_request_through_moto(aws, script):
     session = Session()
-    session.client("s3").create_bucket(Bucket="out-bucket", CreateBucketConfiguration={
-        "LocationConstraint": REGION})
-    sent: list[dict] = []
-    session.sagemaker_client.meta.events.register(
-        "before-send.sagemaker.CreateTrainingJob",
-        lambda request, **_: sent.append(json.loads(request.body)))
+    make_buckets(session, "out-bucket")
+    sent = capture_requests(session, "CreateTrainingJob")
     est = make(script, instance_type="ml.p4d.24xlarge", image_uri=IMAGE, distribution=SMP,
                sagemaker_session=session, output_path="s3://out-bucket/models",
                base_job_name=DROP)

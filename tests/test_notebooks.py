@@ -20,7 +20,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from aws_emulator import aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import aws, moto_server  # noqa: F401 (fixtures)
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 LOCAL = NOTEBOOKS / "fp16_model_parallel_local.ipynb"

@@ -1,7 +1,6 @@
 """PipelineEngine on real Gloo process groups against a single-process reference."""
 
 import os
-import socket
 import tempfile
 import time
 
@@ -15,6 +14,7 @@ from torch import nn
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.modelparallel.torch.pipeline.engine import PipelineEngine, PipelineSettings
 from fp16_sdk.modelparallel.torch.pipeline.partition import auto_partition, balance
+from helpers.ports import free_port
 
 VOCAB, HIDDEN, SEQ, BATCH, MB = 11, 8, 3, 8, 4
 
@@ -95,12 +95,6 @@ def _reference(steps, lr):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -150,7 +144,7 @@ def _train_worker(rank, world, port, schedule, steps, lr, out):
 
 def _spawn(fn, world, *args):
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(fn, args=(world, _free_port(), *args, out), nprocs=world, join=True)
+        mp.spawn(fn, args=(world, free_port(), *args, out), nprocs=world, join=True)
         return [torch.load(f"{out}/{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -292,7 +286,7 @@ def _smp_case(rank, world, schedule, steps, lr):
 
 @pytest.mark.parametrize("schedule", ["simple", "interleaved"])
 def test_smp_step_pp2_matches_single_process(schedule):
-    from mp_utils import run_ranks
+    from helpers.mp import run_ranks
     steps, lr = 3, 0.5
     # smp averages gradients over microbatches: the reference steps with grad / MB.
     ref_losses, _, ref_params = _reference(steps, lr / MB)

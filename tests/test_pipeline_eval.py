@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 MB, BATCH, SEQ, LR = 4, 8, 3, 0.5
 

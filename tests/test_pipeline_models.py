@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 MB, BATCH = 2, 4
 

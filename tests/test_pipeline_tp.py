@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 LM = dict(num_layers=4, num_attention_heads=4, attention_head_size=8, hidden_size=32,
           intermediate_size=64, vocab_size=48, num_positions=8, causal_mask_size=8,

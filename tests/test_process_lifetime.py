@@ -1,7 +1,7 @@
 """No process outlives what started it: the fit() process, the toolkit, torchrun, the session.
 
 Killed processes are reparented, so a job's processes are found by an environment marker that
-every one of them inherits (`proc_utils.with_env`), never by walking down from a dead parent.
+every one of them inherits (`helpers.procs.with_env`), never by walking down from a dead parent.
 The bound is the issue's: within 10 s of the kill no process of the job remains.
 """
 
@@ -21,8 +21,8 @@ import pytest
 
 from fp16_sdk.backends.base import JobStatus
 from fp16_sdk.pytorch import PyTorch
-from proc_utils import kill_all, wait_gone, with_env
-from test_toolkit import make_job, toolkit_env
+from helpers.procs import kill_all, wait_gone, with_env
+from helpers.toolkit_jobs import make_job, toolkit_env
 
 REPO = Path(__file__).resolve().parent.parent
 GONE_WITHIN_S = 10.0
@@ -214,7 +214,8 @@ def test_leaves_a_sleeper():
 def _inner_session(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess, str]:
     suite = tmp_path / "suite" / "tests"
     suite.mkdir(parents=True)
-    for name in ("conftest.py", "proc_utils.py"):
+    (suite / "helpers").mkdir()
+    for name in ("conftest.py", "helpers/__init__.py", "helpers/procs.py"):
         (suite / name).write_text((REPO / "tests" / name).read_text())
     marker = uuid.uuid4().hex
     (suite / "test_inner.py").write_text(body)

@@ -10,7 +10,7 @@ and has no StopTrainingJob. So these tests:
 - put log events into the emulator's CloudWatch Logs themselves;
 - move jobs to InProgress / Failed / Stopped by reaching into moto's in-process backend (the
   server is a `ThreadedMotoServer` in this process; moto has no state-manager transition for
-  training jobs), see `aws_emulator.Emulator.sagemaker_job`.
+  training jobs), see `helpers.aws.Emulator.sagemaker_job`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from aws_emulator import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import capture_requests, make_buckets
 from fp16_sdk.backends.base import Channel, JobSpec, backend_for
 from fp16_sdk.backends.sagemaker import SageMakerBackend
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
@@ -101,21 +102,6 @@ EXPECTED = {
 # Keys moto does not give back through DescribeTrainingJob (checked on the wire instead);
 # Tags come back through ListTags.
 NOT_IN_DESCRIBE = {"Environment", "Tags"}
-
-
-def make_buckets(session: Session, *names: str) -> None:
-    for name in names:
-        session.client("s3").create_bucket(
-            Bucket=name, CreateBucketConfiguration={"LocationConstraint": REGION})
-
-
-def capture_requests(session: Session, operation: str) -> list[dict]:
-    """Bodies of `operation` requests as botocore sends them (after its validation)."""
-    sent: list[dict] = []
-    session.sagemaker_client.meta.events.register(
-        f"before-send.sagemaker.{operation}",
-        lambda request, **_: sent.append(json.loads(request.body)))
-    return sent
 
 
 def test_create_training_job_round_trips_every_field(aws, sourcedir):

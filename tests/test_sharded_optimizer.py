@@ -16,7 +16,7 @@ import torch.distributed as dist
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.state import state
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 from test_fp16_optimizer import TinyGPT, batches, lm_loss
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import smdistributed.modelparallel.torch as smp
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 from test_config import AWS_GPT2_INIT
 
 

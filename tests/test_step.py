@@ -8,7 +8,7 @@ import torch
 import smdistributed.modelparallel.torch as smp
 from fp16_sdk.config import parse_mp_parameters
 from fp16_sdk.modelparallel.torch.state import state
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,9 @@ import pytest
 
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.packaging import build_sourcedir
+from helpers.ports import free_port
+from helpers.toolkit_jobs import encoded as _encoded
+from helpers.toolkit_jobs import make_job, run_toolkit, toolkit_env
 from fp16_sdk.toolkit.env import (JobConfig, Paths, build_env, count_gpus,
                                   decode_hyperparameters, to_cmd_args)
 from fp16_sdk.toolkit.launcher import (build_plan, parse_custom_mpi_options, resolve_master,
@@ -51,10 +53,6 @@ HYPERPARAMETERS = {
     "mp_parameters": {"partitions": 2, "microbatches": 4},
     "epochs": 3, "lr": 0.01, "model-name": "gpt",
 }
-
-
-def _encoded(hps: dict) -> dict:
-    return {k: json.dumps(v) for k, v in hps.items()}
 
 
 def test_hyperparameters_decode_with_raw_fallback():
@@ -239,56 +237,6 @@ def test_bad_resource_config_names_the_key():
 
 # ---------------------------------------------------------------- real toolkit subprocesses
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_job(tmp_path: Path, files: dict[str, str], hps: dict, *, program: str = "train.py",
-             channels: tuple[str, ...] = ("training",), host: str = "algo-1",
-             hosts: tuple[str, ...] = ("algo-1",)) -> Path:
-    """A fake /opt/ml with the code packed as sourcedir.tar.gz; returns the base dir."""
-    tmp_path = tmp_path / host
-    src = tmp_path / "src"
-    src.mkdir(parents=True)
-    for name, text in files.items():
-        (src / name).write_text(textwrap.dedent(text))
-        (src / name).chmod(0o755)
-    tarball = build_sourcedir(entry_point=program, source_dir=src, dest_dir=tmp_path / "pkg")
-    base = tmp_path / "ml"
-    (base / "input" / "config").mkdir(parents=True)
-    for ch in channels:
-        (base / "input" / "data" / ch).mkdir(parents=True)
-        (base / "input" / "data" / ch / "data.txt").write_text(f"{ch}-data")
-    all_hps = {"sagemaker_program": program, "sagemaker_submit_directory": f"file://{tarball}",
-               "sagemaker_job_name": "test-job", **hps}
-    (base / "input/config/hyperparameters.json").write_text(json.dumps(_encoded(all_hps)))
-    (base / "input/config/resourceconfig.json").write_text(json.dumps(
-        {"current_host": host, "hosts": list(hosts), "network_interface_name": "lo",
-         "current_instance_type": "local", "current_group_name": "homogeneousCluster",
-         "instance_groups": [{"instance_group_name": "homogeneousCluster",
-                              "instance_type": "local", "hosts": list(hosts)}]}))
-    (base / "input/config/inputdataconfig.json").write_text(json.dumps(
-        {ch: {"TrainingInputMode": "File"} for ch in channels}))
-    return base
-
-
-def toolkit_env(base: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SM_", "FP16_SDK_", "MASTER_", "NCCL_"))}
-    env.update({"SAGEMAKER_BASE_DIR": str(base), "FP16_SDK_MASTER_PORT": str(_free_port()),
-                "FP16_SDK_HOST_ADDRESSES": json.dumps({"algo-1": "127.0.0.1"}),
-                "CUDA_VISIBLE_DEVICES": "", **extra})
-    return env
-
-
-def run_toolkit(base: Path, *, cmd=None, timeout: float = 120, **extra) -> subprocess.CompletedProcess:
-    cmd = cmd or [sys.executable, "-m", "fp16_sdk.toolkit"]
-    return subprocess.run(cmd, env=toolkit_env(base, **extra), capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_train_end_to_end_argv_env_and_model_dir(tmp_path):
     script = """\
         import json, os, sys
@@ -368,7 +316,7 @@ def test_two_hosts_on_one_machine_rendezvous_through_host_addresses(tmp_path):
     hps = {"sagemaker_mpi_enabled": True, "sagemaker_mpi_num_of_processes_per_host": 1}
     bases = [make_job(tmp_path, {"train.py": TORCHRUN_SCRIPT}, hps, host=h, hosts=hosts)
              for h in hosts]
-    shared = {"FP16_SDK_MASTER_PORT": str(_free_port()),
+    shared = {"FP16_SDK_MASTER_PORT": str(free_port()),
               "FP16_SDK_HOST_ADDRESSES": json.dumps({h: "127.0.0.1" for h in hosts})}
     procs = [subprocess.Popen([sys.executable, "-m", "fp16_sdk.toolkit"],
                               env={**toolkit_env(base), **shared}, stdout=subprocess.PIPE,

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 
 GLOBAL_BATCH, SEQ, VOCAB, STEPS, LR, ATOL = 4, 8, 64, 3, 0.5, 1e-5
 
@@ -76,7 +76,7 @@ def _arch_module(smp, arch):
 def _worker(rank, world, arch, prescaled, tmp):
     torch.set_num_threads(1)
     import fp16_sdk.modelparallel.torch as smp
-    from test_tp_layers import assert_close, full_grads
+    from helpers.tp_checks import assert_close, full_grads
 
     smp.init({"tensor_parallel_degree": 2, "ddp": True, "prescaled_batch": prescaled})
     ref = _build(arch)
@@ -142,7 +142,7 @@ def _eval_loss(model):
 
 
 def _check_checkpoints(smp, arch, model, ref, rank, tmp):
-    from test_tp_layers import assert_close
+    from helpers.tp_checks import assert_close
 
     cls, _ = _config(arch)
     want = _eval_loss(ref)

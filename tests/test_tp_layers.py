@@ -7,44 +7,22 @@ reference is the same module built at tp = 1 in every process from the same seed
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fp16_sdk.modelparallel.torch import nn as snn
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.nn import mappings as M
-from fp16_sdk.modelparallel.torch.nn.auto import gather_full_state_dict, shard_full_state_dict
-
-ATOL = 1e-5
-
-
-# ---- process helpers (shared with test_tp_model.py) -----------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fp16_sdk.modelparallel.torch.nn.auto import shard_full_state_dict
+from helpers.mp import run_ranks
+from helpers.tp_checks import assert_close, full_grads
 
 
-def _entry(rank, fn, world, port, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
-
-def run_ranks(fn, world: int, *args) -> None:
-    """Run fn(rank, world, *args) in `world` Gloo processes; a failure in any fails the test."""
-    mp.spawn(_entry, args=(fn, world, _free_port(), args), nprocs=world, join=True)
-
+# ---- process helpers ----------------------------------------------------------------------
 
 def build_groups(world: int, tp: int):
     """(tp_group, rdp_group, dp_group) for the 'cluster' layout (tp ranks consecutive)."""
@@ -61,14 +39,6 @@ def build_groups(world: int, tp: int):
     return tp_group, rdp_group, dist.group.WORLD
 
 
-def full_grads(model) -> dict:
-    """Gradients keyed like the state dict, gathered to the unsplit layout (collective)."""
-    named = dict(model.named_parameters())
-    local = {k: named[k].grad if named[k].grad is not None else torch.zeros_like(named[k])
-             for k in model.state_dict() if k in named}
-    return gather_full_state_dict(model, local)
-
-
 def reduce_grads(model, *, rdp_group, dp_group, rdp_size, dp_size, prescaled):
     """The data-parallel reduction rule of the runtime's reducer (see the report to H3):
     parameters of distributed modules over RDP (/dp_size, or /rdp_size with prescaled batch),
@@ -82,12 +52,6 @@ def reduce_grads(model, *, rdp_group, dp_group, rdp_size, dp_size, prescaled):
         else:
             dist.all_reduce(p.grad, group=dp_group)
             p.grad /= dp_size
-
-
-def assert_close(a, b, what, atol=ATOL):
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol}"
 
 
 # ---- mappings (world 2) ----------------------------------------------------------------------
@@ -129,7 +93,7 @@ def _mappings_worker(rank, world):
 
 
 def test_mappings_forward_backward_world2():
-    run_ranks(_mappings_worker, 2)
+    run_ranks(_mappings_worker, 2, init_gloo=True)
 
 
 def test_mappings_are_identity_without_group():
@@ -219,7 +183,7 @@ def _map(obj, fn):
 
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_layers_tp2_match_unsplit(prescaled):
-    run_ranks(_layers_worker, 2, prescaled)
+    run_ranks(_layers_worker, 2, prescaled, init_gloo=True)
 
 
 # ---- communication counts and memory ------------------------------------------------------------
@@ -262,7 +226,7 @@ def _count_worker(rank, world):
 
 
 def test_two_all_reduces_forward_and_backward_per_layer_and_sharded_bytes():
-    run_ranks(_count_worker, 2)
+    run_ranks(_count_worker, 2, init_gloo=True)
 
 
 # ---- single process: tp = 1 modules are plain modules ----------------------------------------------

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fp16_sdk.modelparallel.torch.nn import DistributedTransformerOutputLayer, tp_register
-from test_tp_layers import _free_port, assert_close, full_grads
+from helpers.ports import free_port
+from helpers.tp_checks import assert_close, full_grads
 
 LM = dict(num_layers=2, num_attention_heads=4, attention_head_size=8, hidden_size=32,
           intermediate_size=64, vocab_size=48, num_positions=8, causal_mask_size=8,
@@ -38,7 +39,7 @@ def _smp_entry(rank, fn, world, port, config, args):
 
 
 def run_smp(fn, world, config, *args):
-    mp.spawn(_smp_entry, args=(fn, world, _free_port(), config, args), nprocs=world, join=True)
+    mp.spawn(_smp_entry, args=(fn, world, free_port(), config, args), nprocs=world, join=True)
 
 
 def _data(step):

@@ -1,8 +1,14 @@
-"""The one small interface every backend implements.
+"""The one small interface every backend implements, and the table of backends.
 
 The estimator turns its arguments into a typed `JobSpec` (everything a backend needs, already
-validated), picks the backend once from `instance_type` (`backend_for`), and gets back a
-`JobHandle`. Backends never see the estimator.
+validated), picks the backend once from `instance_type` and the session (`backend_for`, which
+reads `BACKENDS`), and gets back a `JobHandle`. Backends never see the estimator.
+
+`BACKENDS` maps a name to the class's import path, imported only when chosen (so a
+local_process job never imports docker). Local instance types choose their backend directly;
+an "ml.*" type goes where the session says (`Session.backend_name`: "sagemaker", "ec2"). Each
+backend parses its own `backend_options` (`Backend.parse_options`): a key it does not know is
+an error naming the key, the value and the keys it does know.
 """
 
 from __future__ import annotations
@@ -10,14 +16,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import importlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
+from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator_args import SageMakerOptions
 
-__all__ = ["Channel", "JobSpec", "JobStatus", "JobHandle", "Backend", "backend_for", "LOCAL_TYPES"]
-
-LOCAL_TYPES = ("local_process", "local", "local_gpu")
+__all__ = ["Channel", "JobSpec", "JobStatus", "JobHandle", "Backend", "BackendEntry", "BACKENDS",
+           "backend_entry", "backend_for", "refuse_unknown_options", "LOCAL_TYPES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +69,9 @@ class JobSpec:
         keep_alive_period_in_seconds, container_log_level: as in SageMaker's estimator.
         sagemaker: the SageMaker-only request pieces (Debugger, Profiler, KMS, retries...),
             already validated; other backends ignore them (the estimator notes that once).
-        backend_options: backend-specific knobs the estimator passes through unchanged
-            (e.g. {"shm_size": "2g", "pass_aws_credentials": False} for local Docker).
+        backend_options: backend-specific knobs, already checked by the chosen backend's
+            `parse_options` (e.g. {"shm_size": "2g"} for local Docker); the backend parses
+            them again into its typed options at submit.
     """
 
     job_name: str
@@ -157,8 +165,54 @@ class JobHandle(abc.ABC):
         return job_metrics(self)
 
 
+def refuse_unknown_options(backend: str, options: Mapping[str, Any],
+                           known: Mapping[str, str]) -> None:
+    """Raise ConfigError for the first key of `options` that `known` does not hold."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        keys = ", ".join(known) if known else "none (drop backend_options)"
+        raise ConfigError(f"backend_options key {unknown[0]!r} (value {options[unknown[0]]!r}) "
+                          f"is not known to the {backend} backend; its keys are: {keys}",
+                          key=unknown[0], value=options[unknown[0]])
+
+
 class Backend(abc.ABC):
-    """Where jobs run. One instance per estimator session."""
+    """Where jobs run. One instance per estimator session.
+
+    A backend class names its `backend_options` in `OPTIONS` ({key: what it does}) and parses
+    them in `parse_options`; `from_choice` builds it for an instance type and a session.
+    """
+
+    NAME: ClassVar[str] = "this"  # as errors name it
+    OPTIONS: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def from_choice(cls, *, instance_type: str | None, session: Any) -> "Backend":
+        """The backend for this instance type and session (default: no arguments)."""
+        return cls()
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> Any:
+        """Validate `backend_options` (the estimator calls this before anything starts).
+
+        Returns:
+            The backend's typed options (None for a backend that takes none).
+
+        Raises:
+            ConfigError: an unknown key or a bad value (key, value and fix named).
+        """
+        refuse_unknown_options(cls.NAME, options, cls.OPTIONS)
+        return None
+
+    def attach(self, job_name: str) -> JobHandle:
+        """A handle on an existing job of this backend.
+
+        Raises:
+            ConfigError: this backend cannot attach to jobs.
+        """
+        raise ConfigError(f"sagemaker_session selects the {self.NAME} backend, which cannot "
+                          "attach to existing jobs; pass a Session (SageMaker) or an "
+                          "EC2Session", key="sagemaker_session", value=self.NAME)
 
     @abc.abstractmethod
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -168,16 +222,64 @@ class Backend(abc.ABC):
         """
 
 
-def backend_for(instance_type: str, *, session: Any = None) -> Backend:
-    """Map SageMaker's `instance_type` (plus an optional session object) to a backend, once."""
-    if instance_type == "local_process":
-        from .local_process import LocalProcessBackend
-        return LocalProcessBackend()
-    if instance_type in ("local", "local_gpu"):
-        from .local_docker import LocalDockerBackend
-        return LocalDockerBackend(gpu=instance_type == "local_gpu")
-    if session is not None and getattr(session, "backend_name", None) == "ec2":
-        from .ec2 import EC2Backend
-        return EC2Backend(session)
-    from .sagemaker import SageMakerBackend
-    return SageMakerBackend(session)
+@dataclasses.dataclass(frozen=True)
+class BackendEntry:
+    """One row of `BACKENDS`.
+
+    Attributes:
+        target: "module:Class", imported when the backend is chosen.
+        local: runs on this machine: file:// URIs, the job folder under output_path.
+        instance_types: the instance types that choose it (remote backends: none, the
+            session chooses them for "ml.*" types).
+        heterogeneous: accepts SageMaker's instance_groups.
+    """
+
+    name: str
+    target: str
+    local: bool
+    instance_types: tuple[str, ...] = ()
+    heterogeneous: bool = False
+
+    def load(self) -> type[Backend]:
+        module, _, cls = self.target.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
+    BackendEntry("local_process", "fp16_sdk.backends.local_process:LocalProcessBackend",
+                 local=True, instance_types=("local_process",)),
+    BackendEntry("local_docker", "fp16_sdk.backends.local_docker:LocalDockerBackend",
+                 local=True, instance_types=("local", "local_gpu")),
+    BackendEntry("sagemaker", "fp16_sdk.backends.sagemaker:SageMakerBackend", local=False,
+                 heterogeneous=True),
+    BackendEntry("ec2", "fp16_sdk.backends.ec2:EC2Backend", local=False),
+)}
+LOCAL_TYPES = tuple(t for e in BACKENDS.values() if e.local for t in e.instance_types)
+
+
+def backend_entry(instance_type: str | None, *, session: Any = None) -> BackendEntry:
+    """The table row for `instance_type`; None or an "ml.*" type: the session's backend.
+
+    A session without `backend_name` (the real `sagemaker.Session`, a stand-in with only
+    `boto_region_name`) is a SageMaker session, as in SageMaker's own SDK.
+
+    Raises:
+        ConfigError: the session names a backend that is not in the table.
+    """
+    for entry in BACKENDS.values():
+        if instance_type in entry.instance_types:
+            return entry
+    name = getattr(session, "backend_name", "sagemaker")
+    remote = [n for n, e in BACKENDS.items() if not e.local]
+    if name not in remote:
+        raise ConfigError(f"sagemaker_session.backend_name={name!r} names no remote backend; "
+                          f"the remote backends are: {', '.join(remote)}",
+                          key="sagemaker_session", value=name)
+    return BACKENDS[name]
+
+
+def backend_for(instance_type: str | None, *, session: Any = None) -> Backend:
+    """The backend for SageMaker's `instance_type` and the session, chosen once (see
+    `backend_entry`); `instance_type=None` gives the session's remote backend (attach)."""
+    entry = backend_entry(instance_type, session=session)
+    return entry.load().from_choice(instance_type=instance_type, session=session)

@@ -23,12 +23,13 @@ import os
 import re
 import shlex
 import time
-from typing import Any, TextIO
+from typing import Any, Mapping, TextIO
 
+from .. import contract
 from ..errors import BackendError, ConfigError
 from ..extraction import relative_parts
 from ..session import EC2Session, parse_s3_uri
-from .base import Backend, JobSpec
+from .base import Backend, JobSpec, refuse_unknown_options
 from .ec2_job import EC2Job
 from .sagemaker import check_remote_spec, code_uri
 
@@ -54,25 +55,13 @@ def host_configs(spec: JobSpec, *, submit_uri: str, region: str) -> dict[str, di
     hyperparameters = dict(spec.hyperparameters)
     hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
     hyperparameters.setdefault("sagemaker_region", json.dumps(region))
-    channels = {c.name: {"TrainingInputMode": c.input_mode or spec.input_mode,
-                         "S3DistributionType": c.distribution,
-                         "RecordWrapperType": c.record_wrapping or "None",
-                         **({"ContentType": c.content_type} if c.content_type else {})}
-                for c in spec.channels}
-    out = {}
-    for host in spec.hosts:
-        resources = {"current_host": host, "hosts": spec.hosts,
-                     # the instance script swaps eth0 for the real interface (exact text)
-                     "network_interface_name": "eth0",
-                     "current_instance_type": spec.instance_type,
-                     "current_group_name": "homogeneousCluster",
-                     "instance_groups": [{"instance_group_name": "homogeneousCluster",
-                                          "instance_type": spec.instance_type,
-                                          "hosts": spec.hosts}]}
-        out[host] = {"hyperparameters.json": json.dumps(hyperparameters, sort_keys=True),
-                     "resourceconfig.json": json.dumps(resources),
-                     "inputdataconfig.json": json.dumps(channels, sort_keys=True)}
-    return out
+    channels = contract.input_data_config(spec.channels, input_mode=spec.input_mode)
+    return {host: contract.config_files(
+        hyperparameters=hyperparameters, input_data_config=channels,
+        # the instance script swaps eth0 for the real interface (exact text)
+        resource_config=contract.resource_config(
+            current_host=host, hosts=spec.hosts, instance_type=spec.instance_type,
+            network_interface_name="eth0")) for host in spec.hosts}
 
 
 def channel_manifest(spec: JobSpec, s3_client: Any) -> dict[str, str]:
@@ -139,12 +128,31 @@ class EC2Backend(Backend):
         out: where status and log lines are printed.
     """
 
+    NAME = "EC2"
+    OPTIONS = {"pull_policy": "'always' (default): docker pull the image on every instance; "
+                              "'missing': pull only when the AMI does not hold it already"}
+    _PULL_POLICIES = ("always", "missing")
+
     def __init__(self, session: EC2Session, *, out: TextIO | None = None):
-        if getattr(session, "backend_name", None) != "ec2":
+        if not isinstance(session, EC2Session):
             raise ConfigError("EC2Backend needs an EC2Session (fp16_sdk.session.EC2Session)",
                               key="sagemaker_session", value=type(session).__name__)
         self.session = session
         self.out = out
+
+    @classmethod
+    def from_choice(cls, *, instance_type: str | None, session: Any) -> "EC2Backend":
+        return cls(session)
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> str:
+        """The pull policy ("always" unless backend_options says "missing")."""
+        refuse_unknown_options(cls.NAME, options, cls.OPTIONS)
+        policy = options.get("pull_policy", "always")
+        if policy not in cls._PULL_POLICIES:
+            raise ConfigError(f"backend_options['pull_policy']={policy!r} must be one of "
+                              f"{', '.join(cls._PULL_POLICIES)}", key="pull_policy", value=policy)
+        return policy
 
     def submit(self, spec: JobSpec) -> EC2Job:
         """Write the job's files to S3, launch the instances, publish their addresses.
@@ -158,6 +166,7 @@ class EC2Backend(Backend):
         spec = _with_image(spec, image)
         check_remote_spec(spec)
         _check_ec2_spec(spec)
+        self.parse_options(spec.backend_options)
         region = self.session.boto_region_name
         submit_uri = code_uri(spec, self.session)
         job_uri = submit_uri.rsplit("/source/", 1)[0]
@@ -239,7 +248,7 @@ class EC2Backend(Backend):
         settings = {"JOB_NAME": spec.job_name, "CURRENT_HOST": host, "JOB_URI": job_uri,
                     "OUTPUT_URI": output_uri, "IMAGE": spec.image_uri, "REGION": region,
                     "MAX_RUN": str(spec.max_run),
-                    "PULL_POLICY": str(spec.backend_options.get("pull_policy", "always"))}
+                    "PULL_POLICY": self.parse_options(spec.backend_options)}
         if self.session.ec2.forward_endpoints:
             for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_ECR"):
                 if os.environ.get(name):

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .. import contract
 from ..errors import TrainingJobFailedError
 from ..session import Session
 from .base import JobHandle, JobStatus
@@ -126,22 +127,16 @@ class EC2Job(JobHandle):
 
     def describe(self) -> dict:
         status, failure = self._evaluate()
-        description: dict[str, Any] = {
-            "TrainingJobName": self.name, "TrainingJobStatus": status.value,
-            "SecondaryStatus": status.value,
-            "ResourceConfig": {"InstanceType": self.record["instance_type"],
-                               "InstanceCount": len(self._hosts),
-                               "VolumeSizeInGB": self.record["volume_size"]},
-            "OutputDataConfig": {"S3OutputPath": self.record["output_uri"].rsplit("/", 1)[0]},
-            "StoppingCondition": {"MaxRuntimeInSeconds": self.record["max_run"]},
-            "Instances": [{"Host": h, **i} for h, i in self.record["instances"].items()],
-            "HostStatuses": self._statuses(),
-        }
-        if status == JobStatus.COMPLETED:
-            description["ModelArtifacts"] = {"S3ModelArtifacts": self.model_data}
-        if failure is not None:
-            description["FailureReason"] = failure.get("reason", "")
-        return description
+        record = self.record
+        return contract.describe_training_job(
+            name=self.name, status=status.value, instance_type=record["instance_type"],
+            instance_count=len(self._hosts), volume_size=record["volume_size"],
+            output_path=record["output_uri"].rsplit("/", 1)[0], max_run=record["max_run"],
+            model_data=self.model_data if status == JobStatus.COMPLETED else None,
+            failure_reason=failure.get("reason", "") if failure is not None else None,
+            extra={"SecondaryStatus": status.value,
+                   "Instances": [{"Host": h, **i} for h, i in record["instances"].items()],
+                   "HostStatuses": self._statuses()})
 
     # ---- waiting ---------------------------------------------------------------------------
 

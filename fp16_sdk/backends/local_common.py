@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import re
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from fp16_sdk import contract
 from fp16_sdk.backends.base import Channel, JobSpec
 
 __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
@@ -51,50 +51,29 @@ def job_dir(spec: JobSpec) -> Path:
     return local_path(spec.output_path) / spec.job_name
 
 
-@dataclasses.dataclass(frozen=True)
-class HostTree:
-    """One host's /opt/ml on this machine."""
+@dataclasses.dataclass(frozen=True, init=False)
+class HostTree(contract.Layout):
+    """One host's /opt/ml on this machine (the contract's `Layout` plus the host's name)."""
 
     host: str
-    root: Path
 
-    code = property(lambda self: self.root / "code")
-    model = property(lambda self: self.root / "model")
-    output = property(lambda self: self.root / "output")
-    output_data = property(lambda self: self.root / "output" / "data")
-    input_config = property(lambda self: self.root / "input" / "config")
-    input_data = property(lambda self: self.root / "input" / "data")
-    checkpoints = property(lambda self: self.root / "checkpoints")
-    failure_file = property(lambda self: self.root / "output" / "failure")
-    success_file = property(lambda self: self.root / "output" / "success")
+    def __init__(self, host: str, root: Path):
+        object.__setattr__(self, "base", Path(root))
+        object.__setattr__(self, "host", host)
+
+    root = property(lambda self: self.base)
 
 
 def resource_config(spec: JobSpec, host: str, network_interface_name: str) -> dict:
-    """resourceconfig.json: one homogeneous instance group holding every host."""
-    return {
-        "current_host": host,
-        "hosts": spec.hosts,
-        "network_interface_name": network_interface_name,
-        "current_instance_type": spec.instance_type,
-        "current_group_name": "homogeneousCluster",
-        "instance_groups": [{"instance_group_name": "homogeneousCluster",
-                             "instance_type": spec.instance_type, "hosts": spec.hosts}],
-    }
+    """resourceconfig.json of `host` (the contract's shape)."""
+    return contract.resource_config(current_host=host, hosts=spec.hosts,
+                                    instance_type=spec.instance_type,
+                                    network_interface_name=network_interface_name)
 
 
 def input_data_config(spec: JobSpec) -> dict:
-    """inputdataconfig.json, as SageMaker writes it."""
-    config = {}
-    for ch in spec.channels:
-        entry = {"TrainingInputMode": ch.input_mode or spec.input_mode,
-                 "S3DistributionType": ch.distribution,
-                 "RecordWrapperType": ch.record_wrapping or "None"}
-        if ch.content_type:
-            entry["ContentType"] = ch.content_type
-        if ch.compression:
-            entry["CompressionType"] = ch.compression
-        config[ch.name] = entry
-    return config
+    """inputdataconfig.json of the job (the contract's shape)."""
+    return contract.input_data_config(spec.channels, input_mode=spec.input_mode)
 
 
 def checkpoint_store(spec: JobSpec) -> Path | None:
@@ -130,11 +109,12 @@ def lay_out_host(spec: JobSpec, host: str, *, root: Path, network_interface_name
     for folder in (tree.code, tree.model, tree.output_data, tree.output / "intermediate",
                    tree.input_config, tree.input_data):
         folder.mkdir(parents=True, exist_ok=True)
-    _write_json(tree.input_config / "hyperparameters.json",
-                dict(spec.hyperparameters if hyperparameters is None else hyperparameters))
-    _write_json(tree.input_config / "resourceconfig.json",
-                resource_config(spec, host, network_interface_name))
-    _write_json(tree.input_config / "inputdataconfig.json", input_data_config(spec))
+    files = contract.config_files(
+        hyperparameters=spec.hyperparameters if hyperparameters is None else hyperparameters,
+        resource_config=resource_config(spec, host, network_interface_name),
+        input_data_config=input_data_config(spec))
+    for name, text in files.items():
+        (tree.input_config / name).write_text(text)
     store = checkpoint_store(spec)
     if link_data and store is not None:
         store.mkdir(parents=True, exist_ok=True)
@@ -148,10 +128,6 @@ def lay_out_host(spec: JobSpec, host: str, *, root: Path, network_interface_name
         else:
             (tree.input_data / ch.name).mkdir(exist_ok=True)
     return tree
-
-
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _link_channel(ch: Channel, target: Path, *, rank: int, count: int) -> None:

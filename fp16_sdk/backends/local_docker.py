@@ -34,9 +34,10 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp16_sdk import contract
 from fp16_sdk import image as images
 from fp16_sdk.backends import local_common as lc
-from fp16_sdk.backends.base import Backend, Channel, JobSpec
+from fp16_sdk.backends.base import Backend, Channel, JobSpec, refuse_unknown_options
 from fp16_sdk.backends.local_docker_job import LABEL_HOST, LABEL_JOB, DockerJob, job_labels
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.packaging import safe_extract
@@ -77,11 +78,7 @@ class DockerOptions:
     def parse(cls, options: Mapping[str, Any], *, instance_count: int,
               engine_memory: int) -> "DockerOptions":
         """Raises ConfigError naming the key, the value and the fix."""
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise ConfigError(f"backend_options key {unknown[0]!r} is not known to local Docker "
-                              f"mode; the keys are: {', '.join(OPTIONS)}", key=unknown[0],
-                              value=options[unknown[0]])
+        refuse_unknown_options(LocalDockerBackend.NAME, options, OPTIONS)
         shm = options.get("shm_size")
         shm_bytes = _parse_size(shm) if shm is not None else \
             max(_GIB, engine_memory // (2 * instance_count))
@@ -181,6 +178,18 @@ class LocalDockerBackend(Backend):
     def __init__(self, gpu: bool = False, *, client: Any = None):
         self.gpu = gpu
         self._client = client
+
+    NAME = "local Docker"
+    OPTIONS = OPTIONS
+
+    @classmethod
+    def from_choice(cls, *, instance_type: str | None, session: Any) -> "LocalDockerBackend":
+        return cls(gpu=instance_type == "local_gpu")
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> DockerOptions:
+        """Validate only: the shm_size default needs the engine, known at submit."""
+        return DockerOptions.parse(options, instance_count=1, engine_memory=0)
 
     @property
     def client(self) -> Any:
@@ -286,12 +295,12 @@ class LocalDockerBackend(Backend):
     # ---- container configuration -------------------------------------------------------
 
     def _environment(self, spec: JobSpec, options: DockerOptions) -> dict[str, str]:
-        env = {"TRAINING_JOB_NAME": spec.job_name, "NCCL_SOCKET_IFNAME": "eth0",
+        env = {contract.JOB_NAME_VAR: spec.job_name, "NCCL_SOCKET_IFNAME": "eth0",
                # Each host's address is its network alias, resolved by the engine's DNS when
                # used. Naming them here skips the toolkit's wait until every host resolves:
                # all containers are started before submit() returns, and a host that already
                # finished drops out of DNS, so that wait could block the slower hosts.
-               "FP16_SDK_HOST_ADDRESSES": json.dumps({h: h for h in spec.hosts})}
+               contract.HOST_ADDRESSES_VAR: json.dumps({h: h for h in spec.hosts})}
         env.update(spec.environment)
         if options.pass_aws_credentials:
             region = json.loads(spec.hyperparameters.get("sagemaker_region", "null"))

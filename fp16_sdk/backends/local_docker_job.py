@@ -24,6 +24,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
 from fp16_sdk.errors import TrainingJobFailedError
@@ -285,29 +286,16 @@ class DockerJob(JobHandle):
     def describe(self) -> dict:
         """A DescribeTrainingJob-shaped dict of this job."""
         spec = self.spec
-        out = {
-            "TrainingJobName": self.name,
-            "TrainingJobStatus": self.status.value,
-            "HyperParameters": dict(spec.hyperparameters),
-            "AlgorithmSpecification": {"TrainingImage": self.image,
-                                       "TrainingInputMode": spec.input_mode},
-            "ResourceConfig": {"InstanceType": spec.instance_type,
-                               "InstanceCount": spec.instance_count,
-                               "VolumeSizeInGB": spec.volume_size},
-            "OutputDataConfig": {"S3OutputPath": spec.output_path},
-            "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
-            "Environment": dict(spec.environment),
-            "TrainingStartTime": self._start_time,
-            "TrainingEndTime": self._end_time,
-        }
-        if self._model_data:
-            out["ModelArtifacts"] = {"S3ModelArtifacts": self._model_data}
-        if self._failure is not None and self._done.is_set():
-            out["FailureReason"] = self._failure[2][:1024]
-        if spec.metric_definitions:
-            out["FinalMetricDataList"] = lc.final_metrics(self.log_lines(),
-                                                          spec.metric_definitions)
-        return out
+        failed = self._failure is not None and self._done.is_set()
+        return contract.describe_training_job(
+            name=self.name, status=self.status.value, hyperparameters=spec.hyperparameters,
+            image=self.image, input_mode=spec.input_mode, instance_type=spec.instance_type,
+            instance_count=spec.instance_count, volume_size=spec.volume_size,
+            output_path=spec.output_path, max_run=spec.max_run, environment=spec.environment,
+            start_time=self._start_time, end_time=self._end_time, model_data=self._model_data,
+            failure_reason=self._failure[2] if failed else None,
+            final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
+                           if spec.metric_definitions else None))
 
 
 def _parallel(fn, items, *, wait: bool = True, swallow: bool = True) -> None:

@@ -23,13 +23,12 @@ subreaper of its tree, a toolkit also reaches workers whose torchrun died first.
 from __future__ import annotations
 
 import atexit
-import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,78 +36,61 @@ import time
 import uuid
 import weakref
 from pathlib import Path
+from typing import Any, Mapping
 
 import fp16_sdk
+from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
-from fp16_sdk.backends.base import Backend, JobHandle, JobSpec, JobStatus
+from fp16_sdk.backends.base import (Backend, JobHandle, JobSpec, JobStatus,
+                                    refuse_unknown_options)
+from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, Terminated, free_port,
+                                                  pids_with_token, send_signal,
+                                                  sigterm_raises)
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 
 __all__ = ["LocalProcessBackend", "LocalProcessJob", "TOKEN_VAR"]
 
 log = logging.getLogger(__name__)
 
-TOKEN_VAR = "FP16_SDK_JOB_TOKEN"
 _POLL_S = 0.05
 _LIVE: "weakref.WeakSet[LocalProcessJob]" = weakref.WeakSet()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclasses.dataclass(frozen=True)
+class LocalProcessOptions:
+    """The validated `backend_options` of a local_process job."""
 
+    stop_grace_s: float = 5.0
+    keep_job_dir: bool = False
 
-def _pids_with_token(token: str) -> list[int]:
-    """Every live process whose environment holds `TOKEN_VAR=token` (Linux /proc)."""
-    needle = f"{TOKEN_VAR}={token}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry.name))
-        except OSError:
-            continue  # gone, or not ours to read
-    return found
-
-
-class _Terminated(BaseException):
-    """SIGTERM arrived while `wait()` had the main thread (see `_sigterm_raises`)."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """Within the block, SIGTERM raises _Terminated, so `wait()` can stop the job first.
-
-    Only on the main thread and only while SIGTERM has its default action: a handler of the
-    user's own is left alone (the lifelines still stop the job if that handler exits).
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        yield
-        return
-
-    def raise_terminated(_signum, _frame):
-        raise _Terminated()
-
-    signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _signal(pid: int, sig: int, *, group: bool = False) -> None:
-    try:
-        (os.killpg if group else os.kill)(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> "LocalProcessOptions":
+        """Raises ConfigError naming the key, the value and the fix."""
+        refuse_unknown_options(LocalProcessBackend.NAME, options, LocalProcessBackend.OPTIONS)
+        grace = options.get("stop_grace_s", cls.stop_grace_s)
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ConfigError(f"backend_options['stop_grace_s']={grace!r} must be a number of "
+                              "seconds >= 0, such as 5", key="stop_grace_s", value=grace)
+        keep = options.get("keep_job_dir", cls.keep_job_dir)
+        if not isinstance(keep, bool):
+            raise ConfigError(f"backend_options['keep_job_dir']={keep!r} must be True or False",
+                              key="keep_job_dir", value=keep)
+        return cls(stop_grace_s=float(grace), keep_job_dir=keep)
 
 
 class LocalProcessBackend(Backend):
     """Runs jobs as local processes; needs no Docker, no AWS account, no role."""
+
+    NAME = "local_process"
+    OPTIONS = {
+        "stop_grace_s": "seconds between SIGTERM and SIGKILL when the job is stopped (default 5)",
+        "keep_job_dir": "True: keep <output_path>/<job>/hosts after a job that succeeded "
+                        "(default False)",
+    }
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> LocalProcessOptions:
+        return LocalProcessOptions.parse(options)
 
     def submit(self, spec: JobSpec) -> "LocalProcessJob":
         """Check the spec, lay out the host trees and start every host.
@@ -139,7 +121,8 @@ class LocalProcessJob(JobHandle):
         self.name = spec.job_name
         self.spec = spec
         self._token = uuid.uuid4().hex
-        self._grace = float(spec.backend_options.get("stop_grace_s", 5.0))
+        self.options = LocalProcessOptions.parse(spec.backend_options)
+        self._grace = self.options.stop_grace_s
         self._procs: dict[str, subprocess.Popen] = {}
         self._lifeline: int | None = None  # the pipe's write end, open while the job runs
         self._trees: list[lc.HostTree] = []
@@ -160,13 +143,13 @@ class LocalProcessJob(JobHandle):
         env.update(self.spec.environment)
         package_root = str(Path(fp16_sdk.__file__).resolve().parent.parent)
         env.update({
-            "SAGEMAKER_BASE_DIR": str(tree.root),
-            "FP16_SDK_HOST_ADDRESSES": json.dumps({h: "127.0.0.1" for h in self.spec.hosts}),
-            "FP16_SDK_MASTER_PORT": str(port),
+            contract.BASE_DIR_VAR: str(tree.root),
+            contract.HOST_ADDRESSES_VAR: json.dumps({h: "127.0.0.1" for h in self.spec.hosts}),
+            contract.MASTER_PORT_VAR: str(port),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p),
-            "FP16_SDK_LIFELINE_FD": str(lifeline),
-            "FP16_SDK_STOP_GRACE_S": str(self._grace),
+            contract.LIFELINE_FD_VAR: str(lifeline),
+            contract.STOP_GRACE_VAR: str(self._grace),
             TOKEN_VAR: self._token,
         })
         return env
@@ -176,7 +159,7 @@ class LocalProcessJob(JobHandle):
         root = lc.job_dir(self.spec) / "hosts"
         self._trees = [lc.lay_out_host(self.spec, h, root=root / h, network_interface_name="lo")
                        for h in self.spec.hosts]
-        port = _free_port()
+        port = free_port()
         self._start_time = dt.datetime.now(dt.timezone.utc)
         # Both ends are close-on-exec: no other child of this process inherits the write end
         # (which would keep the pipe open after we die); each toolkit gets the read end only.
@@ -235,17 +218,17 @@ class LocalProcessJob(JobHandle):
         """SIGTERM every process of the job, SIGKILL what is left after the grace period."""
         for sig, wait_s in ((signal.SIGTERM, self._grace), (signal.SIGKILL, 5.0)):
             live = [p for p in self._procs.values() if p.poll() is None]
-            tokened = _pids_with_token(self._token)
+            tokened = pids_with_token(self._token)
             if not live and not tokened:
                 break
             for proc in live:
-                _signal(proc.pid, sig, group=True)
+                send_signal(proc.pid, sig, group=True)
             for pid in tokened:
-                _signal(pid, sig)
+                send_signal(pid, sig)
             end = time.monotonic() + wait_s
             while time.monotonic() < end and (
                     any(p.poll() is None for p in self._procs.values())
-                    or _pids_with_token(self._token)):
+                    or pids_with_token(self._token)):
                 time.sleep(_POLL_S)
         for proc in self._procs.values():
             proc.wait()
@@ -271,7 +254,7 @@ class LocalProcessJob(JobHandle):
             self._error = self._failure(failed_host, reason)
         else:
             self._status = JobStatus.COMPLETED
-            if not self.spec.backend_options.get("keep_job_dir"):
+            if not self.options.keep_job_dir:
                 lc.remove_hosts(self.spec)
         self._end_time = dt.datetime.now(dt.timezone.utc)
         _LIVE.discard(self)
@@ -305,12 +288,12 @@ class LocalProcessJob(JobHandle):
             TrainingJobFailedError: a host failed (host, exit code, failure-file text).
         """
         try:
-            with _sigterm_raises():
+            with sigterm_raises():
                 self._log.follow(show=logs not in (False, "None"))
         except KeyboardInterrupt:
             self.stop()
             raise
-        except _Terminated:
+        except Terminated:
             self.stop()
             os.kill(os.getpid(), signal.SIGTERM)  # the default action is back: we end here
             raise SystemExit(128 + signal.SIGTERM)  # not reached: SIGTERM ends the process
@@ -351,31 +334,18 @@ class LocalProcessJob(JobHandle):
         return "file://" + str(self._artifacts["model"])
 
     def describe(self) -> dict:
-        spec = self.spec
-        desc = {
-            "TrainingJobName": self.name,
-            "TrainingJobStatus": self._status.value,
-            "HyperParameters": dict(spec.hyperparameters),
-            "AlgorithmSpecification": {"TrainingImage": spec.image_uri,
-                                       "TrainingInputMode": spec.input_mode,
-                                       "MetricDefinitions": list(spec.metric_definitions)},
-            "ResourceConfig": {"InstanceType": spec.instance_type,
-                               "InstanceCount": spec.instance_count,
-                               "VolumeSizeInGB": spec.volume_size},
-            "OutputDataConfig": {"S3OutputPath": spec.output_path},
-            "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_run},
-            "TrainingStartTime": self._start_time,
-            "HostExitCodes": self.exit_codes,
-        }
-        if self._done.is_set():
-            desc["TrainingEndTime"] = self._end_time
-            desc["FinalMetricDataList"] = lc.final_metrics(self.log_lines(),
-                                                           spec.metric_definitions)
-        if self.model_data:
-            desc["ModelArtifacts"] = {"S3ModelArtifacts": self.model_data}
-        if self._error is not None:
-            desc["FailureReason"] = self._error.reason[:1024]
-        return desc
+        spec, done = self.spec, self._done.is_set()
+        return contract.describe_training_job(
+            name=self.name, status=self._status.value, hyperparameters=spec.hyperparameters,
+            image=spec.image_uri, input_mode=spec.input_mode,
+            metric_definitions=spec.metric_definitions, instance_type=spec.instance_type,
+            instance_count=spec.instance_count, volume_size=spec.volume_size,
+            output_path=spec.output_path, max_run=spec.max_run, start_time=self._start_time,
+            end_time=self._end_time if done else None, model_data=self.model_data,
+            failure_reason=self._error.reason if self._error is not None else None,
+            final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
+                           if done else None),
+            extra={"HostExitCodes": self.exit_codes})
 
 
 @atexit.register

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .. import contract
 from ..errors import BackendError, ConfigError, TrainingJobFailedError
 from ..inputs import data_source_config
 from ..session import Session, parse_s3_uri
@@ -26,15 +27,14 @@ _TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED)
 
 
 def code_uri(spec: JobSpec, session: Session) -> str:
-    """Where the job's sourcedir.tar.gz goes (the real SDK's `_stage_user_code_in_s3` rule)."""
+    """Where the job's sourcedir.tar.gz goes (`contract.code_uri`, the session's default
+    bucket when neither code_location nor an s3:// output_path names one)."""
     if spec.code_location:
-        bucket, prefix = parse_s3_uri(spec.code_location)
-    elif spec.output_path and spec.output_path.startswith("s3://"):
-        bucket, prefix = parse_s3_uri(spec.output_path)[0], ""
-    else:
-        bucket, prefix = session.default_bucket(), ""
-    key = "/".join(p for p in (prefix.strip("/"), spec.job_name, "source", "sourcedir.tar.gz") if p)
-    return f"s3://{bucket}/{key}"
+        parse_s3_uri(spec.code_location)  # raises ConfigError on a malformed URI
+    has_bucket = spec.code_location or (spec.output_path or "").startswith("s3://")
+    return contract.code_uri(spec.job_name, output_path=spec.output_path or "",
+                             code_location=spec.code_location,
+                             default_bucket=None if has_bucket else session.default_bucket())
 
 
 def check_remote_spec(spec: JobSpec) -> None:
@@ -160,7 +160,7 @@ def _flags(spec: JobSpec) -> dict:
 
 def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
                            role_arn: str) -> dict:
-    """The `CreateTrainingJob` arguments for `spec` (contract §5), optional keys only when set.
+    """The `CreateTrainingJob` arguments for `spec`, optional keys only when set.
 
     Field names and shapes are those of the real SDK v2's `Session._get_train_request`.
     """
@@ -217,6 +217,12 @@ class SageMakerBackend(Backend):
         self.poll_interval = poll_interval
         self.out = out
 
+    NAME = "SageMaker"  # takes no backend_options: every key is refused
+
+    @classmethod
+    def from_choice(cls, *, instance_type: str | None, session: Any) -> "SageMakerBackend":
+        return cls(session)
+
     def submit(self, spec: JobSpec) -> "SageMakerJob":
         """Upload the code and call CreateTrainingJob.
 
@@ -227,6 +233,7 @@ class SageMakerBackend(Backend):
         from botocore.exceptions import ClientError
 
         check_remote_spec(spec)
+        self.parse_options(spec.backend_options)
         if not spec.role:
             raise ConfigError("role is required for SageMaker jobs: pass role='arn:aws:iam::"
                               "<account>:role/<SageMaker execution role>'", key="role", value=None)

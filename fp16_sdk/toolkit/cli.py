@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Mapping, Sequence
 
-from fp16_sdk import __version__
+from fp16_sdk import __version__, contract
 from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
@@ -183,7 +183,7 @@ def _grace_s(environ: Mapping[str, str]) -> float:
     Raises:
         ConfigError: not a number >= 0.
     """
-    text = environ.get("FP16_SDK_STOP_GRACE_S")
+    text = environ.get(contract.STOP_GRACE_VAR)
     if text is None:
         return DEFAULT_GRACE_S
     try:
@@ -202,7 +202,7 @@ def _lifeline_fd(environ: Mapping[str, str]) -> int | None:
     Raises:
         ConfigError: not an open file descriptor.
     """
-    text = environ.get("FP16_SDK_LIFELINE_FD")
+    text = environ.get(contract.LIFELINE_FD_VAR)
     if text is None:
         return None
     if not text.isdigit():

@@ -1,4 +1,7 @@
-"""The training environment: /opt/ml layout, the three config files, and the SM_* variables.
+"""The training environment: the /opt/ml contract read, and the SM_* variables computed.
+
+The layout, file names and reserved keys are `fp16_sdk.contract`'s (the backends write them
+from the same module); this module reads them and computes the environment.
 
 Mirrors sagemaker-training-toolkit's `environment.Environment.to_env_vars()` and
 `mapping.to_env_vars / to_cmd_args`, plus the variables the PyTorch container sets
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp16_sdk import contract
 from fp16_sdk.errors import ConfigError
 
 __all__ = [
@@ -34,43 +38,12 @@ __all__ = [
     "count_cpus",
 ]
 
-DEFAULT_BASE_DIR = "/opt/ml"
-DEFAULT_MASTER_PORT = 7777  # the SageMaker PyTorch container's fixed rendezvous port
-DEFAULT_GROUP = "homogeneousCluster"
-# Reserved hyperparameters that are neither user args nor "framework params" (SageMaker's list).
-SAGEMAKER_KEYS = frozenset({
-    "sagemaker_program", "sagemaker_submit_directory", "sagemaker_enable_cloudwatch_metrics",
-    "sagemaker_region", "sagemaker_container_log_level", "sagemaker_job_name",
-    "default_user_module_name", "_tuning_objective_metric", "sagemaker_s3_output",
-})
-
-
-@dataclass(frozen=True)
-class Paths:
-    """The /opt/ml tree (rooted at `base`)."""
-
-    base: Path
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> "Paths":
-        """`SAGEMAKER_BASE_DIR` if set, else /opt/ml."""
-        return cls(Path(environ.get("SAGEMAKER_BASE_DIR") or DEFAULT_BASE_DIR))
-
-    code = property(lambda self: self.base / "code")
-    model = property(lambda self: self.base / "model")
-    input = property(lambda self: self.base / "input")
-    input_config = property(lambda self: self.base / "input" / "config")
-    input_data = property(lambda self: self.base / "input" / "data")
-    output = property(lambda self: self.base / "output")
-    output_data = property(lambda self: self.base / "output" / "data")
-    output_intermediate = property(lambda self: self.base / "output" / "intermediate")
-    checkpoints = property(lambda self: self.base / "checkpoints")
-
-    def make_output_dirs(self) -> None:
-        """Create model/, output/data, output/intermediate, checkpoints/ and code/ if absent."""
-        for path in (self.model, self.output_data, self.output_intermediate, self.checkpoints,
-                     self.code):
-            path.mkdir(parents=True, exist_ok=True)
+# The contract's names, re-exported for the toolkit's callers.
+DEFAULT_BASE_DIR = contract.DEFAULT_BASE_DIR
+DEFAULT_MASTER_PORT = contract.DEFAULT_MASTER_PORT
+DEFAULT_GROUP = contract.DEFAULT_GROUP
+SAGEMAKER_KEYS = contract.SAGEMAKER_KEYS
+Paths = contract.Layout  # the /opt/ml tree
 
 
 def decode_hyperparameters(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,9 +85,9 @@ class JobConfig:
         """
         return cls(
             hyperparameters=decode_hyperparameters(
-                _read_json(paths.input_config / "hyperparameters.json", default={})),
-            resource_config=_read_json(paths.input_config / "resourceconfig.json"),
-            input_data_config=_read_json(paths.input_config / "inputdataconfig.json",
+                _read_json(paths.input_config / contract.HYPERPARAMETERS_FILE, default={})),
+            resource_config=_read_json(paths.input_config / contract.RESOURCE_CONFIG_FILE),
+            input_data_config=_read_json(paths.input_config / contract.INPUT_DATA_CONFIG_FILE,
                                          default={}),
         )
 
@@ -234,7 +207,7 @@ def training_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: in
         "is_hetero": len(groups) > 1,
         "is_master": config.current_host == (dist_hosts or config.hosts)[0],
         "is_modelparallel_enabled": bool(hps.get("mp_parameters")),
-        "job_name": environ.get("TRAINING_JOB_NAME") or hps.get("sagemaker_job_name"),
+        "job_name": environ.get(contract.JOB_NAME_VAR) or hps.get("sagemaker_job_name"),
         "log_level": hps.get("sagemaker_container_log_level", 20),
         "master_hostname": (dist_hosts or config.hosts)[0],
         "model_dir": str(paths.model),
@@ -252,11 +225,7 @@ def training_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: in
     }
 
 
-# Framework params that turn on a multi-process launch in SageMaker's toolkits.
-_DISTRIBUTION_FLAGS = ("sagemaker_mpi_enabled", "sagemaker_parameter_server_enabled",
-                       "sagemaker_distributed_dataparallel_enabled",
-                       "sagemaker_pytorch_ddp_enabled", "sagemaker_torch_distributed_enabled",
-                       "sagemaker_multi_worker_mirrored_strategy_enabled")
+_DISTRIBUTION_FLAGS = contract.DISTRIBUTION_FLAGS
 
 
 def build_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: int,
@@ -276,7 +245,7 @@ def build_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: int,
     """
     tenv = training_env(config, paths=paths, num_cpus=num_cpus, num_gpus=num_gpus,
                         environ=environ)
-    env = {f"SM_{k.upper()}": format_env_value(v)
+    env = {contract.sm_variable(k): format_env_value(v)
            for k, v in _sm_fields(tenv, config.user_hyperparameters).items()}
     hps = config.hyperparameters
     region = (hps.get("sagemaker_region") or environ.get("AWS_REGION")

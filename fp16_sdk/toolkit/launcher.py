@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp16_sdk import contract
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.toolkit.code import EntryPointType, entry_point_type
 from fp16_sdk.toolkit.env import DEFAULT_MASTER_PORT, JobConfig, to_cmd_args
@@ -123,7 +124,7 @@ def resolve_master(hosts: list[str], environ: Mapping[str, str]) -> tuple[str, i
         ConfigError: either variable is malformed.
     """
     master = hosts[0]
-    raw = environ.get("FP16_SDK_HOST_ADDRESSES")
+    raw = environ.get(contract.HOST_ADDRESSES_VAR)
     if raw:
         try:
             addresses = json.loads(raw)
@@ -134,7 +135,7 @@ def resolve_master(hosts: list[str], environ: Mapping[str, str]) -> tuple[str, i
                               f"got {raw!r} ({exc})", key="FP16_SDK_HOST_ADDRESSES",
                               value=raw) from exc
         master = str(addresses.get(master, master))
-    port_text = environ.get("FP16_SDK_MASTER_PORT") or str(DEFAULT_MASTER_PORT)
+    port_text = environ.get(contract.MASTER_PORT_VAR) or str(DEFAULT_MASTER_PORT)
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ConfigError(f"FP16_SDK_MASTER_PORT must be a TCP port (1-65535), got "
                           f"{port_text!r}", key="FP16_SDK_MASTER_PORT", value=port_text)
@@ -149,8 +150,8 @@ def wait_for_hosts(hosts: list[str], environ: Mapping[str, str], *, timeout_s: f
     Raises:
         ConfigError: a host still does not resolve after `timeout_s`.
     """
-    mapped = json.loads(environ["FP16_SDK_HOST_ADDRESSES"]) if environ.get(
-        "FP16_SDK_HOST_ADDRESSES") else {}
+    mapped = json.loads(environ[contract.HOST_ADDRESSES_VAR]) if environ.get(
+        contract.HOST_ADDRESSES_VAR) else {}
     deadline = time.monotonic() + timeout_s
     delay = 0.1
     for host in hosts:

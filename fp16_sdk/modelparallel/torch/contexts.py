@@ -1,4 +1,4 @@
-"""Creation-time context managers (spec §7): they record, TP and PP act later.
+"""Creation-time context managers: they record, TP and PP act later.
 
 While any creation context is open, every `nn.Module` constructed records the options in force
 when its `__init__` started (innermost context wins) into `state.creation[module]`:

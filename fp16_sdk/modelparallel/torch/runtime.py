@@ -1,6 +1,6 @@
 """`smp.init()` and the rank/size/group helpers.
 
-Configuration order (spec §1): `SM_HP_MP_PARAMETERS` (JSON, what the estimator's
+Configuration order (smp v1's): `SM_HP_MP_PARAMETERS` (JSON, what the estimator's
 `mp_parameters` hyperparameter becomes) wins; the dict given to `init(config)` fills the keys
 the environment does not set; the shared pydantic schema (`fp16_sdk.config`) validates the
 result and resolves defaults.

@@ -1,6 +1,6 @@
 """`@smp.step`: split the batch into microbatches, run the body once per microbatch.
 
-Splitting rules (spec §3): a tensor is cut into `microbatches` equal slices along its split axis
+Splitting rules (smp v1's): a tensor is cut into `microbatches` equal slices along its split axis
 (`input_split_axes`, default 0); lists, tuples (named ones too), dicts and other mappings, and
 sets are split element by element; an object with `smp_slice(num_mb, mb, axis)` is sliced by
 that method; anything else (the model, the optimizer, ints, strings) is passed to every

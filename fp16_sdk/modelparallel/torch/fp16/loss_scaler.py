@@ -1,6 +1,6 @@
 """Loss scalers: the dynamic rule of smp v1 (legacy Megatron / DeepSpeed) and a static one.
 
-The dynamic rule (spec smp-v1-api.md §5.1), reproduced exactly:
+The dynamic rule of smp v1, reproduced exactly:
 
     state: cur_scale = init_scale, cur_iter = 0, last_overflow_iter = -1,
            cur_hysteresis = delayed_shift
@@ -94,7 +94,7 @@ class DynamicLossScaler:
         return True
 
     def update_scale(self, overflow: bool) -> None:
-        """Advance one iteration: apply the §5.1 rule for a step that did (not) overflow."""
+        """Advance one iteration: apply the dynamic rule above for a step that did (not) overflow."""
         if overflow:
             at_floor = self.cur_scale <= self.min_scale
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:

@@ -1,4 +1,4 @@
-"""`FP16_Module` semantics (spec smp-v1-api.md §6): half weights, fp32 in and out.
+"""`FP16_Module` semantics, as in smp v1: half weights, fp32 in and out.
 
 At wrap the module is cast with `.half()` (or `.bfloat16()`); forward casts floating-point
 positional inputs fp32 -> half and floating-point outputs half -> fp32, recursing into tuples

@@ -38,7 +38,6 @@ __all__ = [
     "gather_batch_from_tensor_parallel_group",
     "scatter_batch_to_tensor_parallel_group",
     "column_parallel_linear",
-    "row_parallel_linear",
 ]
 
 
@@ -218,25 +217,3 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """
     y = F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)
     return gather_from_tensor_parallel_region(y, group) if gather_output else y
-
-
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        group: Any, *, input_is_parallel: bool = True) -> torch.Tensor:
-    """Y = sum_r X_r A_r^T + b with A split by columns (input features) across the TP ranks.
-
-    Args:
-        x: this rank's input slice (..., in_features/tp), or the whole input when
-            `input_is_parallel` is False (it is then scattered first).
-        weight: this rank's shard (out_features, in_features/tp); bias: replicated (out_features,),
-            added once after the all-reduce.
-        group: the TP group (None: tp == 1).
-
-    Returns:
-        The replicated output (..., out_features).
-    """
-    if not input_is_parallel:
-        x = scatter_to_tensor_parallel_region(x, group)
-    if group is None:
-        return F.linear(x, weight, bias)
-    y = reduce_from_tensor_parallel_region(F.linear(x, weight), group)
-    return y if bias is None else y + bias

@@ -102,7 +102,7 @@ class DistributedTransformerLayer(DistributedModule):
     Args (global sizes): num_attention_heads, attention_head_size, hidden_size,
         intermediate_size, attention_dropout_prob, hidden_dropout_prob, activation ("gelu" or
         "relu"), layernorm_epsilon, initializer_range, use_normal_initialization,
-        causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm (see smp §8).
+        causal_mask_size, add_cross_attention, pre_layernorm, post_layernorm (smp v1's).
 
     Forward:
         (hidden_states [N,S,H], attention_mask [N,1,1,S]) -> (output, attention_mask); with

@@ -1,11 +1,12 @@
 """Run a function on N real processes joined in a Gloo group (for multi-process tests).
 
-    from mp_utils import run_ranks
+    from helpers.mp import run_ranks
     results = run_ranks(fn, 2, arg1, env={"SM_HP_MP_PARAMETERS": '{"microbatches": 2}'})
 
 `fn(rank, world_size, *args)` runs in every child with RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (a free port), the extra `env` applied, and
-CUDA hidden; it may call `smp.init()` or `torch.distributed.init_process_group` itself. The
+CUDA hidden; it may call `smp.init()` or `torch.distributed.init_process_group` itself
+(`init_gloo=True`: the Gloo group is initialised before `fn` runs, one thread per rank). The
 return values (picklable) come back in rank order. An exception in any child fails the call
 with that child's rank and full traceback.
 """
@@ -13,7 +14,6 @@ with that child's rank and full traceback.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -21,9 +21,11 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from helpers.ports import free_port
+
 __all__ = ["run_ranks", "free_port", "RankFailed"]
 
-_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REPO = os.path.dirname(_TESTS_DIR)
 
 
@@ -31,14 +33,7 @@ class RankFailed(AssertionError):
     """A child process raised; the message carries its rank and traceback."""
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank, world_size, port, env, fn, args, outdir):
+def _child(rank, world_size, port, env, fn, args, outdir, init_gloo):
     import pickle
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
@@ -50,6 +45,11 @@ def _child(rank, world_size, port, env, fn, args, outdir):
             sys.path.insert(0, path)
     result_path = os.path.join(outdir, f"rank{rank}.pkl")
     try:
+        if init_gloo:
+            import torch
+            import torch.distributed as dist
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001  (report everything to the parent)
         result = ("error", traceback.format_exc())
@@ -70,7 +70,8 @@ def _shutdown():
             pass
 
 
-def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 120):
+def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 120,
+              init_gloo: bool = False):
     """Run `fn(rank, world_size, *args)` on `world_size` Gloo ranks; return results by rank.
 
     Raises:
@@ -78,7 +79,8 @@ def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: floa
     """
     import pickle
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_child, args=(world_size, free_port(), env, fn, args, outdir),
+        ctx = mp.start_processes(_child, args=(world_size, free_port(), env, fn, args, outdir,
+                                               init_gloo),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline, timed_out = time.monotonic() + timeout, False
         try:

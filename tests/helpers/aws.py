@@ -8,7 +8,9 @@ boto3 -> botocore (request validation on: the default `parameter_validation=True
 moto's WSGI server.
 
 `aws` (function scope) points boto3 at the server through `AWS_ENDPOINT_URL`, sets fake
-credentials and a region, and resets the emulator's state.
+credentials and a region, and resets the emulator's state. `capture_requests(session, op)`
+collects the bodies of one SageMaker operation as botocore sends them (after its validation);
+`make_buckets(session, *names)` creates buckets in the emulator's region.
 
 What the emulator does not do: run any compute. A SageMaker training job is stored and reported
 `Completed` at once (no container runs, no logs are written, no model is produced); EC2
@@ -20,15 +22,16 @@ that stands in for the instance.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import urllib.request
 from typing import Any, Iterator
 
-import logging
-
 import pytest
 
-__all__ = ["moto_server", "aws", "Emulator", "ACCOUNT", "REGION"]
+__all__ = ["moto_server", "aws", "Emulator", "ACCOUNT", "REGION", "capture_requests",
+           "make_buckets"]
 
 ACCOUNT = "123456789012"  # moto's default account
 REGION = "us-west-2"
@@ -85,3 +88,20 @@ def aws(moto_server: Emulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emul
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     moto_server.reset()
     yield moto_server
+
+
+def capture_requests(session: Any, operation: str) -> list[dict]:
+    """Bodies of the `operation` requests (e.g. "CreateTrainingJob") that `session`'s SageMaker
+    client sends from now on, as botocore sends them (after its validation)."""
+    sent: list[dict] = []
+    session.sagemaker_client.meta.events.register(
+        f"before-send.sagemaker.{operation}",
+        lambda request, **_: sent.append(json.loads(request.body)))
+    return sent
+
+
+def make_buckets(session: Any, *names: str) -> None:
+    """Create S3 buckets in the emulator's region."""
+    for name in names:
+        session.client("s3").create_bucket(
+            Bucket=name, CreateBucketConfiguration={"LocationConstraint": REGION})

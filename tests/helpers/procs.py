@@ -1,6 +1,6 @@
 """The live processes of this machine as the tests see them (Linux /proc), for leak checks.
 
-    from proc_utils import scan, with_env, kill_all
+    from helpers.procs import scan, with_env, kill_all
     leaked = with_env("FP16_SDK_JOB_TOKEN", token)   # every process carrying that variable
     kill_all(leaked)
 

@@ -1,0 +1,12 @@
+"""Shared test machinery, one module per concern (import the module you need; this package
+imports nothing, so an SDK test that must not import torch can use `helpers.ports`).
+
+- `ports`: `free_port()`, a TCP port free a moment ago.
+- `mp`: `run_ranks(fn, world, *args)`, a function on N real Gloo processes (imports torch).
+- `procs`: the live processes as /proc shows them (`scan`, `with_env`, `kill_all`), for the
+  leak checks of conftest.py and the process-lifetime tests.
+- `aws`: the AWS API emulator (moto's server) fixtures `moto_server` / `aws`, and
+  `capture_requests` (request bodies as botocore sends them) and `make_buckets`.
+- `toolkit_jobs`: a fake /opt/ml tree with packed code (`make_job`) and the toolkit's
+  environment (`toolkit_env`) / a run of the real toolkit (`run_toolkit`).
+"""

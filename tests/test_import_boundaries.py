@@ -1,0 +1,89 @@
+"""Imports go one way: the SDK never imports torch, the runtime never imports boto3 or docker,
+a local_process job never imports docker, and the contract module is standard library only.
+
+Each case runs in a fresh interpreter (this test process has imported everything already) and
+reads `sys.modules` after the imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+SDK_MODULES = ["fp16_sdk.pytorch", "fp16_sdk.huggingface", "fp16_sdk.estimator",
+               "fp16_sdk.estimator_validation", "fp16_sdk.backends.base",
+               "fp16_sdk.backends.local_process", "fp16_sdk.backends.local_docker",
+               "fp16_sdk.backends.sagemaker", "fp16_sdk.backends.ec2", "fp16_sdk.session",
+               "fp16_sdk.image", "fp16_sdk.packaging", "fp16_sdk.metrics", "fp16_sdk.config",
+               "fp16_sdk.contract"]
+TOOLKIT_MODULES = ["fp16_sdk.toolkit", "fp16_sdk.toolkit.cli", "fp16_sdk.toolkit.launcher"]
+RUNTIME_MODULES = ["fp16_sdk.modelparallel.torch", "smdistributed.modelparallel.torch"]
+
+
+def _loaded_after(code: str) -> list[str]:
+    """Top-level package names in sys.modules after running `code` in a fresh interpreter."""
+    probe = code + ("\nimport sys, json\n"
+                    "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _imports(modules: list[str]) -> str:
+    return "\n".join(f"import {m}" for m in modules)
+
+
+def test_sdk_never_imports_torch():
+    # Also build an estimator and pick its backend: the choice loads the backend's class.
+    code = _imports(SDK_MODULES) + """
+import pathlib, tempfile
+from fp16_sdk.pytorch import PyTorch
+from fp16_sdk.backends.base import backend_for
+d = pathlib.Path(tempfile.mkdtemp())
+(d / "train.py").write_text("print(1)")
+for t in ("local_process", "local"):
+    PyTorch(entry_point=str(d / "train.py"), framework_version="2.1.0", py_version="py310",
+            instance_type=t, instance_count=1, output_path=str(d / "jobs"),
+            distribution={"torch_distributed": {"enabled": True}})
+    backend_for(t)
+"""
+    loaded = _loaded_after(code)
+    assert "torch" not in loaded and "transformers" not in loaded, loaded
+
+
+def test_toolkit_imports_neither_heavy_side():
+    loaded = _loaded_after(_imports(TOOLKIT_MODULES))
+    assert not {"torch", "boto3", "botocore", "docker"} & set(loaded), loaded
+
+
+def test_local_process_never_imports_docker():
+    code = """
+from fp16_sdk.backends.base import backend_for
+backend_for("local_process")
+import fp16_sdk.backends.local_process
+"""
+    loaded = _loaded_after(code)
+    assert "docker" not in loaded and "torch" not in loaded, loaded
+
+
+@pytest.mark.parametrize("module", RUNTIME_MODULES)
+def test_runtime_never_imports_boto3_or_docker(module):
+    loaded = _loaded_after(f"import {module}")
+    assert "torch" in loaded  # the probe works: the runtime does import torch
+    assert not {"boto3", "botocore", "docker", "moto"} & set(loaded), loaded
+
+
+def test_contract_is_standard_library_only():
+    before = set(_loaded_after("import fp16_sdk"))
+    after = set(_loaded_after("import fp16_sdk.contract"))
+    extra = sorted(after - before - set(sys.stdlib_module_names))
+    assert extra == [], extra
