@@ -1,8 +1,17 @@
 """The EC2 instance script's own defences, run for real with bash on this machine, and the
-whole script run for real in a container standing in for the instance (see the second half).
+whole script run for real in a container standing in for the instance (the second half).
 
-The script's functions are loaded from the rendered template (everything but the final
-`main`), with S3 replaced by a local copy, so each defence is exercised exactly as the
+In the second half only AWS's compute is mocked: moto's server answers EC2, IAM and S3 over
+real HTTP on 127.0.0.1, and since it boots nothing, each instance's user data is fetched back
+from it and run by bash in a container of the training image (test_ec2_backend's stand-in).
+There the job gets a hostile environment (the script's own names: IMAGE, OUTPUT_URI, JOB_URI,
+ML_ROOT, WORK, ...; shell code), S3 keys such as `-n.txt`, `a..b.txt`, `$(x).txt`, artifact
+names starting with `-`, or a manifest edited after the SDK's check to climb out of its
+channel; the container's own diff shows nothing was written outside the job's folders, and
+the SDK reports what really happened (Completed where it said, or the instance's refusal).
+
+In the first half the script's functions are loaded from the rendered template (everything
+but the final `main`), with S3 replaced by a local copy, so each defence is exercised exactly as the
 instance runs it: the user's environment never becomes the script's variables, file names
 starting with '-' are archived as files, and a manifest path leaving its channel is refused.
 The SDK side (channel_manifest) refuses such S3 keys before any instance starts.
@@ -274,3 +283,14 @@ def test_a_manifest_edited_to_escape_fails_the_job_and_writes_nothing(infra, aws
     assert error.host == "algo-1" and "leaves its channel" in error.reason, error.reason
     assert escaped == [], escaped
     assert job.model_data is None
+
+
+def test_a_key_climbing_out_of_its_channel_starts_no_instance(infra, aws, tmp_path):
+    """The same key through the whole submit path against the emulator: refused, nothing runs."""
+    aws.client("s3").put_object(Bucket="data-bucket", Key="train/../../../etc/cron.d/x",
+                                Body=b"* * * * * root touch /pwned\n")
+    with pytest.raises(ConfigError, match="'..' component"):
+        EC2Backend(ec2_session(infra), out=io.StringIO()).submit(_hostile_spec(tmp_path))
+    found = aws.client("ec2").describe_instances(Filters=[
+        {"Name": "tag:fp16-sdk:job-name", "Values": ["ec2-job-1"]}])
+    assert found["Reservations"] == []

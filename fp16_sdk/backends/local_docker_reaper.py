@@ -13,7 +13,8 @@ end of a pipe whose write end only the SDK holds (close-on-exec: no other child 
   anything.
 
 The job folder stays as the containers left it (failure files included): nobody is left to
-collect artifacts. Run as `python -m fp16_sdk.backends.local_docker_reaper --job J --fd N`.
+collect artifacts. A child that this process forks without exec (multiprocessing's "fork")
+inherits the write end and keeps the job alive until it exits too. Run as `python -m fp16_sdk.backends.local_docker_reaper --job J --fd N`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 __all__ = ["Reaper", "engine_url", "reap", "main"]
@@ -48,13 +50,17 @@ class Reaper:
     """
 
     def __init__(self, job: str, *, base_url: str, grace: int):
+        # This package's root first: fp16_sdk may be importable here only through sys.path.
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         read_end, self._write_end = os.pipe()  # both close-on-exec
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "fp16_sdk.backends.local_docker_reaper", "--job", job,
                  "--fd", str(read_end), "--base-url", base_url, "--grace", str(grace)],
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                start_new_session=True)
+                env=env, start_new_session=True)
         except BaseException:
             os.close(self._write_end)
             raise
@@ -65,6 +71,11 @@ class Reaper:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """The watchdog's exit status (0 after `release`), None while it runs."""
+        return self._proc.poll()
 
     def release(self) -> None:
         """The job is over and cleaned up by the SDK: tell the watchdog to exit (idempotent)."""
@@ -87,14 +98,15 @@ class Reaper:
 def reap(client: Any, job: str, *, grace: int) -> list[str]:
     """Stop and remove every container and network labelled with `job`; return their names."""
     labelled = {"label": f"{LABEL_JOB}={job}"}
-    containers = client.containers.list(all=True, filters=labelled)
+    # sparse: no inspect per container, which fails for one removed in the meantime
+    containers = client.containers.list(all=True, filters=labelled, sparse=True)
     threads = [threading.Thread(target=_stop_and_remove, args=(c, grace), daemon=True)
                for c in containers]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    gone = [c.name for c in containers]
+    gone = [_name(c) for c in containers]
     for network in client.networks.list(filters=labelled):
         try:
             network.remove()
@@ -103,6 +115,11 @@ def reap(client: Any, job: str, *, grace: int) -> list[str]:
             print(f"fp16_sdk reaper: could not remove network {network.name}: {exc}",
                   file=sys.stderr)
     return gone
+
+
+def _name(container: Any) -> str:
+    names = container.attrs.get("Names") or [container.id[:12]]
+    return names[0].lstrip("/")
 
 
 def _stop_and_remove(container: Any, grace: int) -> None:
@@ -114,7 +131,7 @@ def _stop_and_remove(container: Any, grace: int) -> None:
         container.remove(force=True)
     except Exception as exc:  # noqa: BLE001
         if "No such container" not in str(exc) and "already in progress" not in str(exc):
-            print(f"fp16_sdk reaper: could not remove container {container.name}: {exc}",
+            print(f"fp16_sdk reaper: could not remove container {_name(container)}: {exc}",
                   file=sys.stderr)
 
 
