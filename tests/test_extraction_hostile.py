@@ -1,164 +1,31 @@
 """A table of hostile code archives: each is refused, and nothing outside the target changes.
 
-Layout per case: tmp/sentinel/victim.txt (what an attacker wants to overwrite),
-tmp/work/target (where the archive is extracted), so `../../sentinel/...` is the classic
-escape. Every case runs through the SDK's entry point (`safe_extract`, used by the Docker
-backend) and, when it needs no special target state or limits, through the toolkit's
-(`prepare_code`). One control test shows that the sentinel check sees a real escape made
-by tarfile's unfiltered extraction, so the table cannot pass vacuously.
+The table and the check are in tests/hostile_tarballs.py. Every case runs through the SDK's
+entry point (`safe_extract`, used by the Docker backend) and, when it needs no special target
+state or limits, through the toolkit's (`prepare_code`): here on this machine's Python, and in a
+container of the training image on the image's Python (Debian bookworm's 3.11.2, whose tarfile
+has no data filter). A control shows that the sentinel check sees a real escape made by
+tarfile's unfiltered extraction, so the table cannot pass vacuously.
 """
 
 from __future__ import annotations
 
-import io
+import json
 import os
-import tarfile
 from pathlib import Path
 
 import pytest
 
-from fp16_sdk.errors import UnsafeArchiveError
 from fp16_sdk.extraction import safe_extract
-from fp16_sdk.toolkit.code import prepare_code
+from hostile_tarballs import (CASES, _dir, _reg, applies, check_refused, escape_without_filter,
+                              make_arena, write_tar)
 
-VICTIM = "original contents\n"
-
-
-def _reg(name: str, data: bytes = b"evil\n", mode: int = 0o644):
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), mode
-    return info, data
-
-
-def _special(name: str, kind: bytes, linkname: str = ""):
-    info = tarfile.TarInfo(name)
-    info.type, info.linkname, info.mode = kind, linkname, 0o644
-    return info, None
-
-
-def _dir(name: str):
-    return _special(name, tarfile.DIRTYPE)
-
-
-def _pax(name: str, pax_path: str):
-    info, data = _reg(name)
-    info.pax_headers = {"path": pax_path}
-    return info, data
-
-
-def _overlong_trick():
-    """The CVE-2025-4517 pattern: nested 247-character folders reached through one-letter
-    symlinks, so the real path passes PATH_MAX and realpath stops resolving, then a link
-    climbing out through them and a hardlink to the climbed-to file."""
-    comp, steps, path, out = "d" * 247, "abcdefghijklmnop", "", []
-    for step in steps:
-        out.append(_dir(os.path.join(path, comp)))
-        out.append(_special(os.path.join(path, step), tarfile.SYMTYPE, comp))
-        path = os.path.join(path, comp)
-    linkpath = os.path.join("/".join(steps), "l" * 254)
-    out.append(_special(linkpath, tarfile.SYMTYPE, "../" * len(steps)))
-    out.append(_special("escape", tarfile.SYMTYPE, linkpath + "/../../sentinel"))
-    out.append(_special("victim.txt", tarfile.LNKTYPE, "escape/victim.txt"))
-    out.append(_reg("victim.txt"))
-    return out
-
-
-# (case id, members (a function of the absolute sentinel folder), refusal, options)
-# options: "limits" -> keyword arguments for safe_extract; "setup" -> prepare the target.
-CASES = [
-    ("absolute-file", lambda s: [_reg(f"{s}/victim.txt")], "absolute path", {}),
-    ("absolute-dir", lambda s: [_dir(f"{s}/newdir")], "absolute path", {}),
-    ("dotdot", lambda s: [_reg("../escaped.txt")], "'..' component", {}),
-    ("dotdot-to-victim", lambda s: [_reg("../../sentinel/victim.txt")], "'..' component", {}),
-    ("dotdot-in-middle", lambda s: [_reg("a/../../escaped.txt")], "'..' component", {}),
-    ("dot-slash-dotdot", lambda s: [_reg("./../escaped.txt")], "'..' component", {}),
-    ("pax-path-dotdot", lambda s: [_pax("harmless.txt", "../../sentinel/victim.txt")],
-     "'..' component", {}),
-    ("gnu-longname-dotdot", lambda s: [_reg("a/" * 60 + "../" * 62 + "escaped.txt")],
-     "'..' component", {}),
-    ("symlink-outside", lambda s: [_special("link", tarfile.SYMTYPE, "../../sentinel")],
-     "is a symlink", {}),
-    ("symlink-absolute", lambda s: [_special("link", tarfile.SYMTYPE, s)], "is a symlink", {}),
-    ("symlink-inside", lambda s: [_reg("train.py"),
-                                  _special("alias.py", tarfile.SYMTYPE, "train.py")],
-     "'alias.py' is a symlink", {}),
-    ("symlink-then-write-through", lambda s: [
-        _special("link", tarfile.SYMTYPE, "../../sentinel"), _reg("link/victim.txt")],
-     "is a symlink", {}),
-    ("symlink-chain", lambda s: [
-        _special("a", tarfile.SYMTYPE, "."), _special("b", tarfile.SYMTYPE, "a/a/a"),
-        _special("c", tarfile.SYMTYPE, "b/../.."), _reg("c/sentinel/victim.txt")],
-     "is a symlink", {}),
-    ("symlink-hardlink-regular-same-name", lambda s: [
-        _special("x", tarfile.SYMTYPE, "../../sentinel/victim.txt"),
-        _special("x", tarfile.LNKTYPE, "x"), _reg("x")], "is a symlink", {}),
-    ("hardlink-outside", lambda s: [_special("h", tarfile.LNKTYPE, "../../sentinel/victim.txt")],
-     "is a hardlink", {}),
-    ("hardlink-absolute", lambda s: [_special("h", tarfile.LNKTYPE, f"{s}/victim.txt")],
-     "is a hardlink", {}),
-    ("hardlink-inside", lambda s: [_reg("train.py"), _special("h", tarfile.LNKTYPE, "train.py")],
-     "'h' is a hardlink", {}),
-    ("overlong-path-trick", lambda s: _overlong_trick(), "is a symlink", {}),
-    ("char-device", lambda s: [_special("null", tarfile.CHRTYPE)], "device file or FIFO", {}),
-    ("block-device", lambda s: [_special("sda", tarfile.BLKTYPE)], "device file or FIFO", {}),
-    ("fifo", lambda s: [_special("pipe", tarfile.FIFOTYPE)], "device file or FIFO", {}),
-    ("unknown-type", lambda s: [_special("odd", b"Z")], "unsupported member type", {}),
-    ("long-path", lambda s: [_reg("/".join(["p" * 100] * 11))], "over-long path \\(", {}),
-    ("long-component", lambda s: [_reg("q" * 300)], "over-long path component", {}),
-    ("many-members", lambda s: [_reg(f"f{i}", b"") for i in range(30)], "over the limit of 20",
-     {"limits": {"max_members": 20}}),
-    ("one-huge-member", lambda s: [_reg("big.bin", b"\0" * 4096)], "over the limit of 1000",
-     {"limits": {"max_total_bytes": 1000}}),
-    ("many-mid-members", lambda s: [_reg(f"m{i}", b"\0" * 300) for i in range(5)],
-     "over the limit of 1000", {"limits": {"max_total_bytes": 1000}}),
-    ("duplicate-name", lambda s: [_reg("a.py"), _reg("a.py")], "appears twice", {}),
-    ("duplicate-via-dot", lambda s: [_reg("a.py"), _reg("./a.py")], "appears twice", {}),
-    ("dir-then-file", lambda s: [_dir("pkg"), _reg("pkg")], "appears twice", {}),
-    ("file-then-child", lambda s: [_reg("pkg"), _reg("pkg/x.py")], "holds as a file", {}),
-    ("child-then-file", lambda s: [_reg("pkg/x.py"), _reg("pkg")], "appears twice", {}),
-    ("planted-folder-link", lambda s: [_reg("pkg/victim.txt")], "not a plain folder",
-     {"setup": lambda t: (t / "pkg").symlink_to("../../sentinel")}),
-    ("planted-file", lambda s: [_reg("train.py")], "would overwrite",
-     {"setup": lambda t: (t / "train.py").write_text("mine\n")}),
-    ("planted-file-link", lambda s: [_reg("victim.txt")], "would overwrite",
-     {"setup": lambda t: (t / "victim.txt").symlink_to("../../sentinel/victim.txt")}),
-]
-
-
-def _write_tar(path: Path, members) -> Path:
-    with tarfile.open(path, "w:gz", format=tarfile.GNU_FORMAT) as tar:
-        for info, data in members:
-            if info.pax_headers:
-                tar.format = tarfile.PAX_FORMAT
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-            tar.format = tarfile.GNU_FORMAT
-    return path
-
-
-def _snapshot(root: Path, skip: Path) -> dict[str, str]:
-    """Every path below `root` (not following links, not under `skip`) -> what it is."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if Path(dirpath, d) != skip]
-        for name in dirnames + filenames:
-            p = Path(dirpath, name)
-            if p.is_symlink():
-                out[str(p)] = "link->" + os.readlink(p)
-            elif p.is_file():
-                out[str(p)] = p.read_text(errors="replace")
-            else:
-                out[str(p)] = "dir"
-    return out
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def arena(tmp_path):
-    sentinel = tmp_path / "sentinel"
-    sentinel.mkdir()
-    (sentinel / "victim.txt").write_text(VICTIM)
-    target = tmp_path / "work" / "target"
-    target.mkdir(parents=True)
-    return tmp_path, sentinel, target
+    return make_arena(tmp_path)
 
 
 def test_table_is_big_enough():
@@ -168,43 +35,57 @@ def test_table_is_big_enough():
 @pytest.mark.parametrize("entry", ["sdk", "toolkit"])
 @pytest.mark.parametrize("case, members, why, options", CASES, ids=[c[0] for c in CASES])
 def test_hostile_archive_is_refused(arena, case, members, why, options, entry):
-    tmp, sentinel, target = arena
-    if entry == "toolkit" and options:
+    if not applies(options, entry):
         pytest.skip("prepare_code takes no limits and extracts only into an empty folder")
-    if "setup" in options:
-        options["setup"](target)
-    tarball = _write_tar(tmp / "hostile.tar.gz", members(str(sentinel)))
-    before = _snapshot(tmp, skip=tmp / "nothing")
-    with pytest.raises(UnsafeArchiveError, match=why) as err:
-        if entry == "sdk":
-            safe_extract(tarball, target, **options.get("limits", {}))
-        else:
-            prepare_code(str(tarball), target)
-    assert "member " in str(err.value)  # names the member
-    assert (sentinel / "victim.txt").read_text() == VICTIM
-    outside = {k: v for k, v in before.items() if not k.startswith(str(target) + os.sep)}
-    assert _snapshot(tmp, skip=target) == {k: v for k, v in outside.items() if k != str(target)}
-    if "setup" not in options:  # every header is checked before anything is written
-        assert list(target.iterdir()) == []
-    else:
-        assert _snapshot(target, skip=tmp / "nothing") == {
-            k: v for k, v in before.items() if k.startswith(str(target) + os.sep)}
+    check_refused(*arena, members, why, options, entry)
 
 
-def test_sentinel_check_sees_a_real_escape(arena):
-    """Control: tarfile without a filter does overwrite the victim with case 14's archive."""
-    tmp, sentinel, target = arena
-    members = dict((c[0], c[1]) for c in CASES)["symlink-hardlink-regular-same-name"]
-    tarball = _write_tar(tmp / "hostile.tar.gz", members(str(sentinel)))
-    with tarfile.open(tarball) as tar:
-        kwargs = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(target, **kwargs)
-    assert (sentinel / "victim.txt").read_text() == "evil\n"
+def test_sentinel_check_sees_a_real_escape(tmp_path):
+    """Control: tarfile without a filter does overwrite the victim."""
+    assert escape_without_filter(tmp_path)
+
+
+@pytest.mark.docker
+def test_the_table_is_refused_on_the_images_python(tmp_path):
+    """The whole table inside a container of the training image, on its Python, through this
+    checkout's extraction code (mounted read-only); only the arena is writable."""
+    from test_local_docker import IMAGE, _unavailable
+    from fp16_sdk import image as images
+    from fp16_sdk.errors import DockerUnavailableError
+    from docker.types import Mount
+
+    try:
+        client = images.connect(timeout=30)
+    except DockerUnavailableError as exc:
+        _unavailable(f"no Docker engine ({exc})")
+    if not images.image_exists(IMAGE, client=client):
+        _unavailable(f"image {IMAGE} is missing (build it with `make image`)")
+    arena = tmp_path / "arena"
+    arena.mkdir()
+    out = client.containers.run(
+        IMAGE, ["python", "/sdk/tests/hostile_tarballs.py", "/arena"], remove=True,
+        network_mode="none", environment={"PYTHONPATH": "/sdk"}, working_dir="/arena",
+        user=f"{os.getuid()}:{os.getgid()}",  # what it writes stays ours to remove
+        mounts=[Mount("/sdk", str(REPO), type="bind", read_only=True),
+                Mount("/arena", str(arena), type="bind")],
+        labels={"fp16_sdk.job": f"extract-{tmp_path.name}"}, stderr=True).decode()
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, out[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    # The image's Python is the one the issue is about, and there the attack works...
+    assert got["python"] == "3.11.2" and got["data_filter"] is False, got
+    assert got["sdk_file"] == "/sdk/fp16_sdk/extraction.py"
+    assert got["control_escaped"] is True
+    # ... and every case of the table is refused, with nothing written outside its target.
+    want = {f"{c[0]}/{e}" for c in CASES for e in ("sdk", "toolkit") if applies(c[3], e)}
+    assert set(got["results"]) == want
+    failed = {k: v for k, v in got["results"].items() if v}
+    assert not failed, failed
 
 
 def test_plain_files_and_folders_still_extract(arena):
     tmp, _, target = arena
-    tarball = _write_tar(tmp / "ok.tar.gz", [
+    tarball = write_tar(tmp / "ok.tar.gz", [
         _dir("."), _dir("pkg"), _reg("pkg/a.py", b"A = 1\n"), _reg("./train.py", b"print(1)\n"),
         _reg("run.sh", b"#!/bin/sh\n", mode=0o4755), _dir("pkg/"), _reg("x/y/z.txt", b"z")])
     safe_extract(tarball, target)

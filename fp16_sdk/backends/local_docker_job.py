@@ -7,7 +7,9 @@ the supervisor stops the other containers at once (the real SDK's local mode ins
 job when the first container exits, whatever its status). When all have exited the supervisor
 collects every host's artifacts into the remote layout, then removes the containers, the
 network and the host trees, whatever happened; `stop()`, Ctrl-C in `wait()` and interpreter
-exit go through the same path.
+exit go through the same path. When this process dies without that path (SIGTERM's default
+action, SIGKILL), the job's watchdog process (`local_docker_reaper`) removes the containers and
+the network.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class DockerJob(JobHandle):
         self.name = spec.job_name
         self.spec, self.image, self.trees = spec, image, trees
         self.network: Any = None
+        self.reaper: Any = None  # local_docker_reaper.Reaper, released once we cleaned up
         self.containers: dict[str, Any] = {}
         self._client, self._stop_timeout, self._keep = client, stop_timeout, keep_job_dir
         self._store = checkpoint_store
@@ -89,6 +92,7 @@ class DockerJob(JobHandle):
     def discard(self) -> None:
         """Remove whatever was created (containers, network, host trees), started or not."""
         self._remove_engine_resources()
+        self._release_reaper()
         self._remove_folders()
         self._status = JobStatus.STOPPED if self._status == JobStatus.IN_PROGRESS else self._status
         self._done.set()
@@ -147,6 +151,7 @@ class DockerJob(JobHandle):
         finally:
             try:
                 self._remove_engine_resources()
+                self._release_reaper()
             finally:
                 self._end_time = self._end_time or _now()
                 self._done.set()
@@ -209,6 +214,10 @@ class DockerJob(JobHandle):
             except Exception:
                 pass
         self.network = None
+
+    def _release_reaper(self) -> None:
+        if self.reaper is not None:
+            self.reaper.release()
 
     def _foreign_roots(self) -> list[Path]:
         """Folders this job wrote that hold an entry not owned by us (root in the container)."""

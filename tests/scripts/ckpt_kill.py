@@ -3,6 +3,10 @@ kill-at-every-file-boundary test; or, with --resume, loads every folder given an
 what each holds as JSON.
 
 save:   python ckpt_kill.py save <ckpt_dir> <glob>   (the second save pauses after <glob>)
+serve:  python ckpt_kill.py serve                    (imports once, then per stdin line
+        "<ckpt_dir> <glob> <master port>" forks a child that runs `save` and prints
+        "CHILD <pid>", then "EXIT <status>" when that child is gone; the test kills children,
+        so each kill costs a fork, not an interpreter start and a torch import)
 resume: python ckpt_kill.py resume <ckpt_dir>...      (prints {dir: generation or error},
         then tries a full checkpoint tagged "newest" in the first folder: "full-newest")
 """
@@ -46,19 +50,51 @@ def step(model, opt):
     opt.step()
 
 
-def main():
-    mode, ckpt, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+def save(ckpt, pattern):
     smp.init()
     model, opt = build()
-    if mode == "save":
-        for generation in (1, 2):
-            step(model, opt)
-            if generation == 2:
-                os.environ[PAUSE_ENV] = rest[0]  # only the re-save pauses (and is killed)
-            smp.save_checkpoint(ckpt, tag="ckpt", model=model, optimizer=opt,
-                                user_content={"generation": generation})
-        print("both saves finished", flush=True)
+    for generation in (1, 2):
+        step(model, opt)
+        if generation == 2:
+            os.environ[PAUSE_ENV] = pattern  # only the re-save pauses (and is killed)
+        smp.save_checkpoint(ckpt, tag="ckpt", model=model, optimizer=opt,
+                            user_content={"generation": generation})
+    print("both saves finished", flush=True)
+
+
+def serve():
+    for line in sys.stdin:
+        ckpt, pattern, port = line.split()
+        pid = os.fork()
+        if pid == 0:  # the child: a fresh rank (nothing was initialised before the fork)
+            code = 0
+            try:
+                os.environ["MASTER_PORT"] = port
+                save(ckpt, pattern)
+            except BaseException:  # noqa: BLE001 - reported through the exit status
+                import traceback
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        print(f"CHILD {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"EXIT {status}", flush=True)
+
+
+def main():
+    mode, rest = sys.argv[1], sys.argv[2:]
+    if mode == "serve":
+        serve()
         return
+    ckpt, rest = rest[0], rest[1:]
+    if mode == "save":
+        save(ckpt, rest[0])
+        return
+    smp.init()
+    model, opt = build()
     out = {}
     for folder in [ckpt, *rest]:
         try:
