@@ -22,8 +22,9 @@ import docker.errors
 import pytest
 
 from fp16_sdk.backends import local_docker_job, local_docker_reaper
-from proc_utils import kill_all, wait_gone, with_env
-from test_local_docker import _estimator, client  # noqa: F401 - the fixture
+from helpers.procs import kill_all, wait_gone, with_env
+from helpers.docker_engine import client  # noqa: F401 - the fixture
+from helpers.docker_engine import estimator as _estimator
 
 REPO = Path(__file__).resolve().parent.parent
 GONE_WITHIN_S = 10.0

@@ -3,7 +3,7 @@ whole script run for real in a container standing in for the instance (the secon
 
 In the second half only AWS's compute is mocked: moto's server answers EC2, IAM and S3 over
 real HTTP on 127.0.0.1, and since it boots nothing, each instance's user data is fetched back
-from it and run by bash in a container of the training image (test_ec2_backend's stand-in).
+from it and run by bash in a container of the training image (helpers/ec2_stand_ins.py's stand-in).
 There the job gets a hostile environment (the script's own names: IMAGE, OUTPUT_URI, JOB_URI,
 ML_ROOT, WORK, ...; shell code), S3 keys such as `-n.txt`, `a..b.txt`, `$(x).txt`, artifact
 names starting with `-`, or a manifest edited after the SDK's check to climb out of its
@@ -29,12 +29,12 @@ import boto3
 import moto
 import pytest
 
-from aws_emulator import REGION, aws, moto_server  # noqa: F401 (fixtures)
+from helpers.aws import REGION, aws, moto_server  # noqa: F401 (fixtures)
 from fp16_sdk.backends.base import JobSpec, JobStatus
 from fp16_sdk.backends.ec2 import EC2Backend, channel_manifest, env_table, render_user_data
 from fp16_sdk.errors import ConfigError, TrainingJobFailedError
 from fp16_sdk.packaging import build_sourcedir
-from test_ec2_backend import ec2_session, engine, infra, make_spec, run_stand_ins  # noqa: F401
+from helpers.ec2_stand_ins import ec2_session, engine, infra, make_spec, run_stand_ins  # noqa: F401
 
 SETTINGS = {"CURRENT_HOST": "algo-1", "REGION": "us-east-1", "IMAGE": "good/image:1",
             "OUTPUT_URI": "s3://good-bucket/job", "JOB_URI": "s3://good-bucket/job",
@@ -170,7 +170,7 @@ def test_nested_prefix_lands_where_sagemaker_puts_it(uri, keys, want):
 # ---- the real instance script in a container standing in for the instance -----------------
 # Only AWS's compute is mocked: moto's server (127.0.0.1) answers EC2, IAM and S3 for real over
 # HTTP but boots nothing, so each instance's user data is fetched back from it and run by
-# bash in a container of the training image (test_ec2_backend's stand-in: host network,
+# bash in a container of the training image (helpers/ec2_stand_ins.py's stand-in: host network,
 # `train` run from the image's PATH, no shutdown). Everything else is the script as rendered.
 
 HOSTILE_ENV = {"IMAGE": "evil/image:1", "OUTPUT_URI": "s3://evil-bucket/x",

@@ -49,7 +49,7 @@ def test_sentinel_check_sees_a_real_escape(tmp_path):
 def test_the_table_is_refused_on_the_images_python(tmp_path):
     """The whole table inside a container of the training image, on its Python, through this
     checkout's extraction code (mounted read-only); only the arena is writable."""
-    from test_local_docker import IMAGE, _unavailable
+    from helpers.docker_engine import IMAGE, unavailable as _unavailable
     from fp16_sdk import image as images
     from fp16_sdk.errors import DockerUnavailableError
     from docker.types import Mount

@@ -27,42 +27,16 @@ from fp16_sdk.backends.local_docker_job import LABEL_JOB
 from fp16_sdk.errors import (BackendError, ConfigError, DockerUnavailableError,
                              ImageNotFoundError, TrainingJobFailedError)
 from fp16_sdk.packaging import build_sourcedir
-from fp16_sdk.pytorch import PyTorch
+from helpers.docker_engine import IMAGE, client  # noqa: F401 (the fixture)
+from helpers.docker_engine import estimator as _estimator, unavailable as _unavailable
 
-IMAGE = images.DEFAULT_CPU_IMAGE
 MPI2 = {"mpi": {"enabled": True, "processes_per_host": 2}}
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {reason}: .ci/docker-setup.sh must provide it")
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def client():
-    try:
-        engine = images.connect(timeout=30)
-    except DockerUnavailableError as exc:
-        _unavailable(f"no Docker engine ({exc})")
-    if not images.image_exists(IMAGE, client=engine):
-        _unavailable(f"image {IMAGE} is missing (build it with `make image`)")
-    return engine
 
 
 def _leftovers(client, job: str) -> list[str]:
     label = {"label": f"{LABEL_JOB}={job}"}
     return [c.name for c in client.containers.list(all=True, filters=label)] + \
         [n.name for n in client.networks.list(filters=label)]
-
-
-def _estimator(tmp_path: Path, script: str, *, instance_count: int = 2, **kwargs) -> PyTorch:
-    src = tmp_path / "src"
-    src.mkdir(exist_ok=True)
-    (src / "train.py").write_text(textwrap.dedent(script))
-    return PyTorch(entry_point="train.py", source_dir=str(src), framework_version="2.13.0",
-                   py_version="py311", instance_count=instance_count, instance_type="local",
-                   output_path=f"file://{tmp_path}/out", **kwargs)
 
 
 def _job_name() -> str:
