@@ -62,13 +62,19 @@ def test_the_table_is_refused_on_the_images_python(tmp_path):
         _unavailable(f"image {IMAGE} is missing (build it with `make image`)")
     arena = tmp_path / "arena"
     arena.mkdir()
-    out = client.containers.run(
-        IMAGE, ["python", "/sdk/tests/hostile_tarballs.py", "/arena"], remove=True,
+    container = client.containers.run(
+        IMAGE, ["python", "/sdk/tests/hostile_tarballs.py", "/arena"], detach=True,
         network_mode="none", environment={"PYTHONPATH": "/sdk"}, working_dir="/arena",
         user=f"{os.getuid()}:{os.getgid()}",  # what it writes stays ours to remove
         mounts=[Mount("/sdk", str(REPO), type="bind", read_only=True),
                 Mount("/arena", str(arena), type="bind")],
-        labels={"fp16_sdk.job": f"extract-{tmp_path.name}"}, stderr=True).decode()
+        labels={"fp16_sdk.job": f"extract-{tmp_path.name}"})
+    try:
+        code = container.wait(timeout=300)["StatusCode"]
+        out = container.logs().decode(errors="replace")
+    finally:
+        container.remove(force=True)
+    assert code == 0, out[-3000:]
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     assert line, out[-3000:]
     got = json.loads(line[len("RESULT "):])
