@@ -8,6 +8,7 @@ import pytest
 
 from fp16_sdk.config import DistributionConfig, SMPParameters, parse_mp_parameters
 from fp16_sdk.errors import ConfigError
+from helpers.smp_configs import AWS_GPT2_INIT
 
 # Every key and default of the smp table (smp-v1-api.md §2), written from the spec.
 SPEC_DEFAULTS = {
@@ -139,19 +140,6 @@ def test_mp_parameters_keep_the_users_name_for_the_pipeline_degree(given, key):
 
 
 # ---- keys AWS's example scripts pass (issue 12) --------------------------------------------
-
-# The smp_config dict of AWS's GPT-2/GPT-J/NeoX train.py, with the scripts' default arguments.
-AWS_GPT2_INIT = {
-    "ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1, "microbatches": 1,
-    "shard_optimizer_state": False, "prescaled_batch": False, "fp16": False, "bf16": False,
-    "offload_activations": False, "delayed_parameter_initialization": False,
-    "optimize": "speed", "placement_strategy": "cluster", "activation_loading_horizon": 4,
-    "skip_tracing": False, "auto_partition": True, "default_partition": 0,
-    "static_mode": False, "fast_mode": False, "sharded_data_parallel_degree": 1,
-    "ddp_dist_backend": "auto", "sdp_hierarchical_allgather": False,
-    "sdp_gradient_clipping": 1.0,
-}
-
 
 def test_aws_example_init_dict_is_accepted_as_written():
     p = parse_mp_parameters(None, AWS_GPT2_INIT)

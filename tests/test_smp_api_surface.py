@@ -13,7 +13,7 @@ import torch
 
 import smdistributed.modelparallel.torch as smp
 from helpers.mp import run_ranks
-from test_config import AWS_GPT2_INIT
+from helpers.smp_configs import AWS_GPT2_INIT
 
 
 # ---- import paths -------------------------------------------------------------------------------

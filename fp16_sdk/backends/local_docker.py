@@ -180,12 +180,12 @@ class LocalDockerBackend(Backend):
         client: a docker.DockerClient (default: `fp16_sdk.image.connect()`).
     """
 
+    NAME = "local Docker"
+    OPTIONS = OPTIONS
+
     def __init__(self, gpu: bool = False, *, client: Any = None):
         self.gpu = gpu
         self._client = client
-
-    NAME = "local Docker"
-    OPTIONS = OPTIONS
 
     @classmethod
     def from_choice(cls, *, instance_type: str | None, session: Any) -> "LocalDockerBackend":

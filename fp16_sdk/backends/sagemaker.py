@@ -211,13 +211,13 @@ class SageMakerBackend(Backend):
         out: where status and log lines are printed.
     """
 
+    NAME = "SageMaker"  # takes no backend_options: every key is refused
+
     def __init__(self, session: Session | None = None, *, poll_interval: float = 5.0,
                  out: TextIO | None = None):
         self.session = session or Session()
         self.poll_interval = poll_interval
         self.out = out
-
-    NAME = "SageMaker"  # takes no backend_options: every key is refused
 
     @classmethod
     def from_choice(cls, *, instance_type: str | None, session: Any) -> "SageMakerBackend":

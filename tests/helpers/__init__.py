@@ -7,6 +7,8 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   leak checks of conftest.py and the process-lifetime tests.
 - `aws`: the AWS API emulator (moto's server) fixtures `moto_server` / `aws`, and
   `capture_requests` (request bodies as botocore sends them) and `make_buckets`.
+- `smp_configs`: smp configuration dicts from AWS's example scripts (`AWS_GPT2_INIT`).
+- `tp_checks`: `assert_close` and `full_grads` (gathered to the unsplit layout) for TP tests.
 - `toolkit_jobs`: a fake /opt/ml tree with packed code (`make_job`) and the toolkit's
   environment (`toolkit_env`) / a run of the real toolkit (`run_toolkit`).
 """
