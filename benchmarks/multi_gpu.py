@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="correctness on CPU/Gloo (world 2 and 4), scaling baseline on 1 GPU")
     ap.add_argument("--steps", type=int, default=10, help="timed steps of a scaling job")
+    ap.add_argument("--parts", default="correctness,scaling",
+                    help="comma-separated: correctness, scaling (default both)")
     ap.add_argument("--job-limit-s", type=int, default=600, help="max_run of each job")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "multi_gpu.json"))
@@ -168,15 +170,17 @@ def main(argv=None) -> int:
     res = {"meta": {"gpus": gpus, "dry_run": args.dry_run, "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if gpus else "cpu",
                     "command": "python3 benchmarks/multi_gpu.py"
-                    + (" --dry-run" if args.dry_run else f" --gpus {gpus}")}}
-    if args.dry_run:
-        res["correctness"] = correctness(args, world_cap=4)  # CPU processes, Gloo
-        res["scaling"] = scaling(args, gpus=1) if gpus else []
-    elif gpus < 2:
+                    + (" --dry-run" if args.dry_run else f" --gpus {gpus}")
+                    + (f" --parts {args.parts}" if args.parts != "correctness,scaling" else "")}}
+    parts = set(args.parts.split(","))
+    if not args.dry_run and gpus < 2:
         raise SystemExit(f"multi_gpu.py needs 2+ GPUs ({gpus} here): use --dry-run")
-    else:
-        res["correctness"] = correctness(args, world_cap=gpus)
-        res["scaling"] = scaling(args, gpus)
+    res["meta"]["parts"] = sorted(parts)
+    res["correctness"], res["scaling"] = [], []
+    if "correctness" in parts:  # dry run: CPU processes and Gloo, up to world 4
+        res["correctness"] = correctness(args, world_cap=4 if args.dry_run else gpus)
+    if "scaling" in parts and gpus:
+        res["scaling"] = scaling(args, gpus=1 if args.dry_run else gpus)
     res["meta"]["wall_s"] = time.perf_counter() - t0
     checks = [r["check"]["ok"] for r in res["correctness"] if "check" in r]
     checks += [r["ok"] for r in res["scaling"] if "ok" in r]
