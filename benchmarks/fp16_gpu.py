@@ -423,8 +423,8 @@ def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None, command=None) 
         row = summarise(arm, cfg, result, sizes, extra, steps)
         row["arm_wall_s"] = time.perf_counter() - t0  # build + compile + warmup + timed steps
         res["arms"].append(row)
-        if arm not in ("smp_nn", "hf", "hf_tp"):
-            res["params_total"], res["params_non_embedding"] = sizes
+        if arm not in ("smp_nn", "hf", "hf_tp") or "params_total" not in res:
+            res["params_total"], res["params_non_embedding"] = sizes  # HF: the same shapes
         del keep, result
         gc.collect()
         res["ratios"] = _ratios({r["arm"]: r for r in res["arms"]})
