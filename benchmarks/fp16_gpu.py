@@ -9,6 +9,10 @@ The arms, one process, same model init, same data, same steps (spec performance.
              AdamW on the masters, copy back), for the before/after of the fused step
   smp_nn     smp as above on the same GPT built from smp.nn modules at tp=1
              (DistributedTransformerLMHead; its own init, loss over S-1 positions)
+  hf         smp as above on transformers' GPT2LMHeadModel of the same shape (sdpa attention),
+             loss F.cross_entropy(logits.float()) in the step
+  hf_tp      hf with its GPT2Blocks split by the tensor-parallel path (nn/huggingface) at tp=1:
+             the cost of the TP code itself against plain HF under smp
 Every arm clips the gradient norm to 1.0 (the seed script's clip_master_grads) unless --no-clip.
 With --compile every arm's model is wrapped in torch.compile (the loss stays eager in all).
 Loss: fp32 cross entropy of the logits in every arm. The plain arms compute
@@ -20,7 +24,8 @@ arm the plain arms' loss instead. --sdpa cudnn makes every arm prefer cuDNN's at
 Reported per arm: tokens/s, MFU (FLOPs/token = 6N + 12 L h s, N = parameters without the
 token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimizer-step time
 (CUDA events from the end of backward to the end of step, clip included) against its floor
-28 N_total / 4.3e12 s, and the final loss.
+28 N_total / 4.3e12 s, the part of it up to the end of clipping (the norm, the overflow check
+and the host sync that reads them), and the final loss.
 
     python benchmarks/fp16_gpu.py --preset 350m --preset 1.3b --out benchmarks/results/fp16_gpu.json
     python benchmarks/fp16_gpu.py --cpu --preset tiny --arms fp32,autocast,smp,smp_nn  # smoke
@@ -53,7 +58,7 @@ DEVICE = torch.device("cuda")
 COMPILE = False  # --compile: torch.compile every arm's model
 SDPA = "default"  # --sdpa: attention backend order for every arm
 SMP_LOSS = "fused"  # --smp-loss: the smp arm's loss (fused half-input CE, or fp32 F.cross_entropy)
-ARMS = ("fp32", "autocast", "smp", "smp_exact", "smp_nn")
+ARMS = ("fp32", "autocast", "smp", "smp_exact", "smp_nn", "hf", "hf_tp")
 
 
 def _maybe_compile(model):
@@ -152,7 +157,8 @@ def _sdpa_context():
 
 
 def _timed_loop(run_step, batches, steps, warmup):
-    """run_step(x, y, ev_bwd) -> loss tensor; returns total wall s, opt-step ms, losses."""
+    """run_step(x, y, (ev_bwd, ev_clip)) -> loss; returns wall s, opt-step ms, losses, and
+    the step's first part (end of backward to end of clip: norm, overflow check, host sync)."""
     with _sdpa_context():
         return _timed_loop_body(run_step, batches, steps, warmup)
 
@@ -165,14 +171,15 @@ def _timed_loop_body(run_step, batches, steps, warmup):
     t0 = time.perf_counter()
     events = []
     for i in range(warmup, warmup + steps):
-        ev = (_event(), _event())
-        losses.append(run_step(*batches[i % len(batches)], ev[0]))
-        ev[1].record()
+        ev = (_event(), _event(), _event())
+        losses.append(run_step(*batches[i % len(batches)], ev[:2]))
+        ev[2].record()
         events.append(ev)
     _sync()
     wall = time.perf_counter() - t0
-    opt_ms = [a.elapsed_time(b) for a, b in events]
-    return wall, opt_ms, [float(l) for l in losses]
+    opt_ms = [a.elapsed_time(c) for a, _, c in events]
+    clip_ms = [a.elapsed_time(b) for a, b, _ in events]
+    return wall, opt_ms, [float(l) for l in losses], clip_ms
 
 
 def arm_plain(cfg, batches, steps, warmup, *, autocast: bool, clip: bool):
@@ -189,18 +196,22 @@ def arm_plain(cfg, batches, steps, warmup, *, autocast: bool, clip: bool):
         if scaler is not None:
             scaler.scale(loss).backward()
             if ev is not None:
-                ev.record()
+                ev[0].record()
             if clip:
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if ev is not None:
+                ev[1].record()
             scaler.step(opt)
             scaler.update()
         else:
             loss.backward()
             if ev is not None:
-                ev.record()
+                ev[0].record()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if ev is not None:
+                ev[1].record()
             opt.step()
         return loss.detach()
 
@@ -283,9 +294,11 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
         opt.zero_grad(set_to_none=True)
         loss = train_step(model, x, y).reduce_mean()
         if ev is not None:
-            ev.record()
+            ev[0].record()
         if clip:
             opt.clip_master_grads(MAX_NORM)
+        if ev is not None:
+            ev[1].record()
         opt.step()
         return loss.detach()
 
@@ -293,6 +306,60 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
     extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
              "fused_optimizer_step": opt._fused is not None,
              "loss": "smp.nn lm_loss" if snn else SMP_LOSS}
+    return result, sizes, extra, (model, opt)
+
+
+def _hf_gpt2(cfg):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_embd=cfg["hidden"], n_layer=cfg["layers"], n_head=cfg["heads"],
+                        n_positions=cfg["seq"], vocab_size=cfg["vocab"], resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    config._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(config)
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel()
+    return model, (total, total - emb)
+
+
+def arm_hf(cfg, batches, steps, warmup, *, clip: bool, tp_path: bool):
+    smp = _init_smp()
+    torch.manual_seed(0)
+    with DEVICE:
+        module, sizes = _hf_gpt2(cfg)
+    if tp_path:  # the TP path's split of every GPT2Block, at tp=1 (nn/huggingface)
+        from fp16_sdk.modelparallel.torch.nn.huggingface import distribute_hf_blocks
+        from fp16_sdk.modelparallel.torch.nn.mappings import TPContext
+        split = distribute_hf_blocks(module, lookup=lambda m: {"enabled": True},
+                                     tp_context=TPContext())
+        assert len(split) == cfg["layers"], split
+    model = smp.DistributedModel(_maybe_compile(module))
+    opt = smp.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
+        static_loss_scale=None, dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2**16, "scale_window": 1000, "min_scale": 1,
+                           "delayed_shift": 2})
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = lm_loss(model(input_ids=x).logits, y)
+        model.backward(loss)
+        return loss
+
+    def run_step(x, y, ev):
+        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, x, y).reduce_mean()
+        if ev is not None:
+            ev[0].record()
+        if clip:
+            opt.clip_master_grads(MAX_NORM)
+        if ev is not None:
+            ev[1].record()
+        opt.step()
+        return loss.detach()
+
+    result = _timed_loop(run_step, batches, steps, warmup)
+    extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
+             "fused_optimizer_step": opt._fused is not None, "loss": "fp32 in the step"}
     return result, sizes, extra, (model, opt)
 
 
@@ -304,7 +371,7 @@ def _free_port() -> int:
 
 
 def summarise(name, cfg, result, sizes, extra, steps) -> dict:
-    wall, opt_ms, losses = result
+    wall, opt_ms, losses, clip_ms = result
     n_total, n_body = sizes
     tokens = cfg["batch"] * cfg["seq"] * steps
     tok_s = tokens / wall
@@ -318,11 +385,14 @@ def summarise(name, cfg, result, sizes, extra, steps) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None,
         "opt_step_ms_median": opt_med, "opt_step_floor_ms": floor_ms,
         "opt_step_over_floor": opt_med / floor_ms,
+        "opt_clip_ms_median": sorted(clip_ms)[len(clip_ms) // 2],  # norm + overflow + sync
         "final_loss": losses[-1], "first_timed_loss": losses[0], **extra,
     }
 
 
 def _run_arm(arm, cfg, batches, steps, warmup, clip):
+    if arm.startswith("hf"):
+        return arm_hf(cfg, batches, steps, warmup, clip=clip, tp_path=arm == "hf_tp")
     if arm.startswith("smp"):
         return arm_smp(cfg, batches, steps, warmup, clip=clip, fused=arm != "smp_exact",
                        snn=arm == "smp_nn")
@@ -331,7 +401,8 @@ def _run_arm(arm, cfg, batches, steps, warmup, clip):
 
 def _ratios(by: dict) -> dict:
     out = {}
-    for arm, base in (("smp", "autocast"), ("smp_nn", "smp"), ("smp", "smp_exact")):
+    for arm, base in (("smp", "autocast"), ("smp_nn", "smp"), ("smp", "smp_exact"),
+                      ("hf_tp", "hf")):
         if arm in by and base in by:
             out[f"{arm}_over_{base}_tokens"] = by[arm]["tokens_per_s"] / by[base]["tokens_per_s"]
             out[f"{arm}_minus_{base}_loss"] = by[arm]["final_loss"] - by[base]["final_loss"]
@@ -352,8 +423,8 @@ def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None, command=None) 
         row = summarise(arm, cfg, result, sizes, extra, steps)
         row["arm_wall_s"] = time.perf_counter() - t0  # build + compile + warmup + timed steps
         res["arms"].append(row)
-        if arm != "smp_nn":
-            res["params_total"], res["params_non_embedding"] = sizes
+        if arm not in ("smp_nn", "hf", "hf_tp") or "params_total" not in res:
+            res["params_total"], res["params_non_embedding"] = sizes  # HF: the same shapes
         del keep, result
         gc.collect()
         res["ratios"] = _ratios({r["arm"]: r for r in res["arms"]})
@@ -368,12 +439,13 @@ def print_table(res: dict) -> None:
     print(f"\n{res['preset']}: {res.get('params_total', 0) / 1e6:.0f}M params "
           f"({res.get('params_non_embedding', 0) / 1e6:.0f}M without embeddings), "
           f"{res['steps']} timed steps, clip={res['clip']}, compiled={res['compiled']}")
-    head = f"{'arm':10} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'opt ms':>8} {'floor':>6} {'xfloor':>6} {'loss':>8}"
+    head = f"{'arm':10} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'opt ms':>8} {'floor':>6} {'xfloor':>6} {'clip ms':>7} {'loss':>8}"
     print(head + "\n" + "-" * len(head))
     for r in res["arms"]:
         print(f"{r['arm']:10} {r['tokens_per_s']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_mem_gib'] or 0:9.1f} "
               f"{r['opt_step_ms_median']:8.2f} {r['opt_step_floor_ms']:6.2f} "
-              f"{r['opt_step_over_floor']:6.2f} {r['final_loss']:8.4f}")
+              f"{r['opt_step_over_floor']:6.2f} {r['opt_clip_ms_median']:7.2f} "
+              f"{r['final_loss']:8.4f}")
     for k, v in res["ratios"].items():
         print(f"{k}: {v:.4f}")
 

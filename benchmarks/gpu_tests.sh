@@ -7,14 +7,22 @@
 #   4. benchmarks/fp16_gpu.py, one process per run so one run's memory cannot leak into the
 #      next: 1.3b eager, 1.3b eager with --sdpa cudnn, 350m eager, then 1.3b under
 #      torch.compile with what is left.
+#   5. benchmarks/memory.py (activation checkpointing / offloading, largest model), if asked;
+#   6. benchmarks/multi_gpu.sh (issue 18; a dry run on fewer than 2 GPUs), if asked.
 # Each run writes its JSON after every arm, so a run cut by its timeout keeps its finished arms;
 # the parts are merged into $OUT/fp16_gpu.json.
+# PARTS picks the steps (default: overhead,tests,profile,fp16,compiled; also memory, multi_gpu);
+# FP16_PRESETS the eager fp16_gpu runs (default 1.3b_eager,1.3b_eager_cudnn,350m_eager).
 # Usage (repository root; wheels in .whl or WHEELS=dir): bash benchmarks/gpu_tests.sh (writes under $OUT)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 BUDGET_S=${BUDGET_S:-560}
 WHEELS=${WHEELS:-.whl}
 ARMS=${ARMS:-autocast,smp,smp_nn}
+PARTS=",${PARTS:-overhead,tests,profile,fp16,compiled},"
+FP16_PRESETS=",${FP16_PRESETS:-1.3b_eager,1.3b_eager_cudnn,350m_eager},"
+want() { [[ "$PARTS" == *",$1,"* ]]; }
+run_preset() { [[ "$FP16_PRESETS" == *",$1,"* ]]; }
 mkdir -p "$OUT/parts"
 start=$SECONDS
 if ! python3 -c "import pydantic" 2>/dev/null; then
@@ -30,17 +38,23 @@ python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 
 python3 -c "import triton; print(\"triton\", triton.__version__)" 2>&1 | tail -1 | tee -a "$LOG"
 
 status=0
-CUDA_VISIBLE_DEVICES= timeout 90 python3 benchmarks/runtime_overhead.py \
-  --out "$OUT/runtime_overhead.json" 2>&1 | tee -a "$LOG" || status=1
-OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests/test_loss_scaler.py tests/test_fp16_optimizer.py \
-  -q -k "not cuda" -p no:cacheprovider > /tmp/tests_rest.log 2>&1 &
-rest=$!
-timeout 150 python3 -m pytest tests/test_fp16_optimizer.py tests/test_fused_loss.py -q \
-  -k "cuda or fused" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG" || status=1
-wait $rest || status=1
-tail -1 /tmp/tests_rest.log | tee -a "$LOG"
-timeout 90 python3 benchmarks/fp16_profile.py --preset 1.3b --parts attention,ce,adam \
-  --out "$OUT/fp16_profile.json" 2>&1 | grep -v Warn | tee -a "$LOG" || status=1
+if want overhead; then
+  CUDA_VISIBLE_DEVICES= timeout 90 python3 benchmarks/runtime_overhead.py \
+    --out "$OUT/runtime_overhead.json" 2>&1 | tee -a "$LOG" || status=1
+fi
+if want tests; then
+  OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests/test_loss_scaler.py tests/test_fp16_optimizer.py \
+    -q -k "not cuda" -p no:cacheprovider > /tmp/tests_rest.log 2>&1 &
+  rest=$!
+  timeout 150 python3 -m pytest tests/test_fp16_optimizer.py tests/test_fused_loss.py -q \
+    -k "cuda or fused" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG" || status=1
+  wait $rest || status=1
+  tail -1 /tmp/tests_rest.log | tee -a "$LOG"
+fi
+if want profile; then
+  timeout 90 python3 benchmarks/fp16_profile.py --preset 1.3b --parts attention,ce,adam \
+    --out "$OUT/fp16_profile.json" 2>&1 | grep -v Warn | tee -a "$LOG" || status=1
+fi
 
 bench() {  # bench NAME TIMEOUT ARGS...
   local name=$1 limit=$2
@@ -49,13 +63,25 @@ bench() {  # bench NAME TIMEOUT ARGS...
   timeout "$limit" python3 benchmarks/fp16_gpu.py "$@" --out "$OUT/parts/$name.json" 2>&1 \
     | tee -a "$LOG" || status=1
 }
-bench 1.3b_eager 150 --preset 1.3b --arms "$ARMS"
-bench 1.3b_eager_cudnn 100 --preset 1.3b --arms autocast,smp --sdpa cudnn
-bench 350m_eager 80 --preset 350m --arms "$ARMS"
+if want fp16; then
+  run_preset 1.3b_eager && bench 1.3b_eager "${EAGER_LIMIT:-150}" --preset 1.3b --arms "$ARMS"
+  run_preset 1.3b_eager_cudnn && bench 1.3b_eager_cudnn 100 --preset 1.3b --arms autocast,smp --sdpa cudnn
+  run_preset 350m_eager && bench 350m_eager 80 --preset 350m --arms "${ARMS_350M:-$ARMS}"
+fi
+if want memory; then
+  echo "== memory.py (at $((SECONDS - start))s)" | tee -a "$LOG"
+  timeout "${MEMORY_LIMIT:-330}" python3 benchmarks/memory.py --budget-s "${MEMORY_SEARCH_S:-260}" \
+    --out "$OUT/memory.json" 2>&1 | tee -a "$LOG" || status=1
+fi
+if want multi_gpu; then
+  echo "== multi_gpu.sh (at $((SECONDS - start))s)" | tee -a "$LOG"
+  timeout "${MULTI_GPU_LIMIT:-200}" bash benchmarks/multi_gpu.sh 2>&1 | tail -20 | tee -a "$LOG" \
+    || status=1
+fi
 left=$((BUDGET_S - (SECONDS - start)))
-if [ "$left" -gt 90 ]; then
+if want compiled && [ "$left" -gt 90 ]; then
   bench 1.3b_compiled "$left" --preset 1.3b --compile --arms "$ARMS"
-else
+elif want compiled; then
   echo "== 1.3b_compiled skipped: ${left}s left" | tee -a "$LOG"
 fi
 

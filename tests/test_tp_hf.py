@@ -243,3 +243,29 @@ def test_hf_tp2_rdp2_matches_plain_transformers(arch, tmp_path):
     """tp=2 x rdp=2 (world 4): the same references as at tp=2, with gradients also reduced over
     the reduced-data-parallel group (each rank feeds one row of the global batch)."""
     run_ranks(_worker, 4, arch, False, str(tmp_path), timeout=400)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_blocks_split_at_tp1_equal_plain_transformers(arch):
+    """The TP path at tp=1 (the smp.nn layers and hooks, no group): the same loss and
+    gradients as the unsplit model, in one process (benchmarks/fp16_gpu.py's hf_tp arm)."""
+    import copy
+
+    from fp16_sdk.modelparallel.torch.nn.huggingface import distribute_hf_blocks
+    from fp16_sdk.modelparallel.torch.nn.mappings import TPContext
+
+    plain = _build(arch)
+    split = copy.deepcopy(plain)
+    paths = distribute_hf_blocks(split, lookup=lambda m: {"enabled": True},
+                                 tp_context=TPContext())
+    assert len(paths) == 2
+    ids, mask = _data(0)  # padding in one row: the mask path runs too
+    losses = []
+    for model in (plain, split):
+        loss = _loss(model, ids, mask)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], atol=ATOL, rtol=0)
+    grads = dict(split.named_parameters())
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, atol=ATOL, rtol=0, msg=name)

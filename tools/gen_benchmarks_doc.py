@@ -22,6 +22,8 @@ def _load(name: str):
 
 
 def _fmt(v, spec=".3f"):
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     return "–" if v is None else format(v, spec) if isinstance(v, (int, float)) else str(v)
 
 
@@ -45,7 +47,8 @@ def fp16_section() -> list[str]:
         title = (f"### {r['preset']}: {c['layers']} layers, hidden {c['hidden']}, "
                  f"{c.get('heads', '?')} heads, seq {c['seq']}, batch {c['batch']}, vocab "
                  f"{c.get('vocab', '?')}" + (" (torch.compile)" if r.get("compiled") else "")
-                 + (", SDPA prefers cuDNN" if r.get("sdpa") == "cudnn" else ""))
+                 + (", SDPA prefers cuDNN" if r.get("sdpa") == "cudnn" else "")
+                 + (f" — {r['label']}" if r.get("label") else ""))
         command = r.get("command") or (
             "bash benchmarks/gpu_tests.sh (the earlier version of the script: smp arm with "
             "F.cross_entropy on the fp32 logits, before the fused loss)")
@@ -55,7 +58,8 @@ def fp16_section() -> list[str]:
                   f"({r['params_non_embedding'] / 1e6:.0f}M without embeddings), "
                   f"{r['steps']} timed steps after {r['warmup']} warm-up.", "",
                   "| arm | tokens/s | MFU | MFU excl. emb. | peak GiB | opt step ms (floor) | "
-                  "x floor | final loss |", "|---|---|---|---|---|---|---|---|"]
+                  "x floor | of it to end of clip ms | final loss |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for a in r["arms"]:
             lmh = a.get("mfu_with_lm_head")
             lines.append(f"| {a['arm']} | {a['tokens_per_s']:,.0f} | "
@@ -64,6 +68,7 @@ def fp16_section() -> list[str]:
                          f"{_fmt(a.get('opt_step_ms_median'), '.2f')} "
                          f"({_fmt(a.get('opt_step_floor_ms'), '.2f')}) | "
                          f"{_fmt(a.get('opt_step_over_floor'), '.2f')} | "
+                         f"{_fmt(a.get('opt_clip_ms_median'), '.2f')} | "
                          f"{_fmt(a.get('final_loss'), '.4f')} |")
         ratios = r.get("ratios") or {}
         if ratios:
@@ -185,6 +190,83 @@ def fit_section() -> list[str]:
     return lines
 
 
+def memory_section() -> list[str]:
+    d = _load("memory")
+    if not d:
+        return ["No memory results yet."]
+    m, c = d["meta"], d["meta"]["config"]
+    lines = [f"{m['gpu']} ({m['capacity_gib']:.1f} GiB), torch {m['torch']}; smp FP16 (dynamic "
+             f"loss scaling, fused AdamW step, clip 1.0) on the GPT of fp16_gpu.py: hidden "
+             f"{c['hidden']}, {c['heads']} heads, seq {c['seq']}, batch {c['batch']}, vocab "
+             f"{c['vocab']}; one process per run. Static = allocated at a step's start (fp16 "
+             "weights and grads, fp32 masters, Adam moments); activation = allocated at the end "
+             "of forward minus static (what is kept for backward).", "",
+             f"Command: `{m['command']}`.", "",
+             f"{c['layers']} layers, {m['steps']} timed steps after {m['warmup']}:", "",
+             "| arm | tokens/s | step ms | peak GiB | static GiB | activation GiB | "
+             "host GiB (offloaded) | final loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in d["arms"]:
+        if "failed" in r or r.get("oom"):
+            lines.append(f"| {r['arm']} | {r.get('failed') or 'out of memory'} | | | | | | |")
+            continue
+        lines.append(f"| {r['arm']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
+                     f"{r['peak_gib']:.1f} | {r['static_gib']:.1f} | {r['activation_gib']:.2f} | "
+                     f"{r['peak_host_gib']:.2f} | {r['final_loss']:.4f} |")
+    if d.get("largest"):
+        lines += ["", "Largest model (the same layer stacked deeper; the deepest that ran 3 "
+                  "steps, the next layer out of memory):", "",
+                  "| arm | layers | parameters | peak GiB | GiB per layer | tokens/s | "
+                  "next layer OOM |", "|---|---|---|---|---|---|---|"]
+        for r in d["largest"]:
+            if not r.get("largest_layers"):
+                lines.append(f"| {r['arm']} | {r.get('note', 'not found')} | | | | | |")
+                continue
+            lines.append(f"| {r['arm']} | {r['largest_layers']} | "
+                         f"{r['largest_params'] / 1e9:.2f}B | {r['largest_peak_gib']:.1f} | "
+                         f"{r['gib_per_layer']:.3f} | {r['largest_tokens_per_s']:,.0f} | "
+                         f"{'yes' if r['next_layer_oom'] else 'not shown'} |")
+    lines += ["", *[f"- {k.replace('_', ' ')}: {_fmt(v, '.3f')}" for k, v in d["ratios"].items()]]
+    return lines
+
+
+def multi_gpu_section() -> list[str]:
+    lines = []
+    for name in ("multi_gpu", "multi_gpu_dry_run_cpu", "multi_gpu_dry_run_gpu"):
+        d = _load(name)
+        if not d:
+            continue
+        m = d["meta"]
+        lines += [f"### {name}.json: {m.get('machine') or m.get('gpu')}, {m['gpus']} GPU(s), "
+                  f"torch {m['torch']}", "", f"Command: `{m['command']}`; all checks ok: "
+                  f"{m.get('all_ok')}.", ""]
+        if d.get("correctness"):
+            lines += ["| job | world | backend | max rel. loss diff | overflow agreed | "
+                      "skipped steps | ok |", "|---|---|---|---|---|---|---|"]
+            for r in d["correctness"]:
+                job, chk = r["job"], r.get("check") or {}
+                skipped = ",".join(str(i + chk.get("from_step", 0))
+                                   for i, f in enumerate(chk.get("skipped", [])) if f)
+                lines.append(f"| {r['name']} | {job.get('world', '–')} | "
+                             f"{job.get('backend', '–')} | "
+                             f"{_fmt(chk.get('max_rel_loss_diff'), '.1e')} | "
+                             f"{_fmt(chk.get('overflow_agreed_every_rank'))} | "
+                             f"{skipped or ('–' if not chk else 'none')} | "
+                             f"{_fmt(chk.get('ok')) if chk else 'reference / save'} |")
+            lines.append("")
+        if d.get("scaling"):
+            lines += ["| job | world | tokens/s | per GPU / one GPU | MFU | target |",
+                      "|---|---|---|---|---|---|"]
+            for r in d["scaling"]:
+                job = r["job"]
+                lines.append(f"| {r['name']} | {job.get('world', '–')} | "
+                             f"{_fmt(job.get('tokens_per_s'), ',.0f')} | "
+                             f"{_fmt(r.get('per_gpu_over_one_gpu'), '.3f')} | "
+                             f"{_fmt(job.get('mfu'), '.1%')} | "
+                             f"{_fmt(r.get('target'))} |")
+            lines.append("")
+    return lines or ["No multi-GPU results yet."]
+
+
 def render() -> str:
     parts = ["# Benchmarks", "",
              "Generated from `benchmarks/results/*.json` by `python3 tools/gen_benchmarks_doc.py`;"
@@ -192,6 +274,10 @@ def render() -> str:
              "tests: they print a table and write JSON.", "",
              "## FP16 training on one H200 (`benchmarks/fp16_gpu.py`)", "", *fp16_section(), "",
              "## Kernel-level figures (`benchmarks/fp16_profile.py`)", "", *profile_section(), "",
+             "## Activation checkpointing and offloading on one H200 (`benchmarks/memory.py`)",
+             "", *memory_section(), "",
+             "## Multi-GPU (`benchmarks/multi_gpu.sh`, `benchmarks/multi_gpu.py`)", "",
+             *multi_gpu_section(), "",
              "## smp runtime overhead on the CPU (`benchmarks/runtime_overhead.py`)", "",
              *overhead_section(), "",
              "## Pipeline schedules (`benchmarks/pipeline_schedule.py`)", "",

@@ -100,6 +100,7 @@ class FusedStepper:
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         self._flat: dict[int, dict[str, torch.Tensor]] = {}  # id(bucket) -> key -> flat buffer
         self._steps: dict[int, int] = {}                     # id(bucket) -> Adam step count
+        self._step_tensors: dict[int, list] = {}  # id(bucket) -> state[master]["step"] tensors
 
     def supports(self, groups: list[dict], buckets: list[FlatBucket] | None = None) -> bool:
         """Whether the groups' current options (and the buckets' devices) suit the kernels."""
@@ -135,7 +136,6 @@ class FusedStepper:
         key = id(bucket)
         self._steps[key] += 1
         t = self._steps[key]
-        torch._foreach_add_([self.optimizer.state[m]["step"] for m in bucket.masters], 1)
         lr, (beta1, beta2) = _f(group["lr"]), (_f(b) for b in group["betas"])
         wd = _f(group["weight_decay"])
         decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
@@ -147,6 +147,9 @@ class FusedStepper:
             _f(group["eps"]), lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t),
             DECOUPLED=decoupled, MAXIMIZE=bool(group.get("maximize", False)),
             BLOCK=_BLOCK, num_warps=_WARPS)
+        # The per-parameter step counts torch keeps, after the launch: the GPU is idle from
+        # the norm's host sync until the kernel starts, so nothing else goes before it.
+        torch._foreach_add_(self._step_tensors[key], 1)
 
     def _sgd(self, kernels, bucket: FlatBucket, group: dict, grad_factor: float) -> None:
         momentum = _f(group["momentum"])
@@ -206,6 +209,8 @@ class FusedStepper:
             if self.kind == "adam":
                 entry["step"] = self._step_tensor(entry.get("step"), master, bucket.group_index)
             state[master] = entry
+        if self.kind == "adam":
+            self._step_tensors[id(bucket)] = [state[m]["step"] for m in bucket.masters]
 
     def _step_tensor(self, old, master: torch.Tensor, group_index: int) -> torch.Tensor:
         """A per-parameter step count as torch keeps it (on the device when fused/capturable)."""

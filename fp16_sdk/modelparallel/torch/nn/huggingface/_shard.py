@@ -122,15 +122,19 @@ class ShardedLinear(DistributedModule):
         self._smp_nested = True  # the block is the distributed unit, not this projection
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.conv1d and bias is not None:  # as HF's Conv1D: the bias in the GEMM epilogue
+            y = torch.addmm(bias, x.reshape(-1, x.shape[-1]), self.weight)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.conv1d:
-            y = torch.matmul(x, self.weight)
-            return y if bias is None else y + bias
+            return torch.matmul(x, self.weight)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.tp.group
         if self.style == "column":
             return self._matmul(copy_to_tensor_parallel_region(x, group), self.bias)
+        if group is None:  # tp=1: nothing to sum, the bias goes into the GEMM
+            return self._matmul(x, self.bias)
         y = reduce_from_tensor_parallel_region(self._matmul(x, None), group)  # (..., out)
         return y if self.bias is None else y + self.bias
 
@@ -224,7 +228,9 @@ def _attach_batch_hooks(block: nn.Module, ctx: TPContext, causal: bool) -> None:
     """Refuse what TP cannot honour; with prescaled_batch False gather the TP group's rows at
     the block's entry and hand each rank its own rows of the outputs at its exit."""
     signature = inspect.signature(block.forward)
-    gathers = not ctx.prescaled_batch
+    # tp=1: the gather and scatter are identities, and the mask agreement's host sync (one
+    # per block) would cost the forward its run-ahead: none of it runs.
+    gathers = not ctx.prescaled_batch and ctx.size > 1
     rows_stack: list[int] = []
 
     def pre_hook(module, args, kwargs):
