@@ -13,6 +13,7 @@ has exited.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -35,9 +36,12 @@ REPO = Path(__file__).resolve().parent.parent
 GONE_WITHIN_S = 10.0
 
 # Writes one model file and one output file named after its host (so the merged tarballs show
-# that every host was collected), then marks itself started and sleeps until stopped.
+# that every host was collected), then marks itself started and sleeps until stopped (or
+# killed, when IGNORE_TERM is set).
 SLEEPER = '''
-import os, time
+import os, signal, time
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 host = os.environ["SM_CURRENT_HOST"]
 with open(os.path.join(os.environ["SM_MODEL_DIR"], host + ".weights"), "w") as f:
     f.write("weights of " + host)
@@ -48,13 +52,12 @@ time.sleep(3600)
 '''
 
 DRIVER = r'''
-import sys
+import json, sys
 from fp16_sdk.pytorch import PyTorch
-src, out, name, instance_type = sys.argv[1:5]
-options = {"stop_timeout": 3} if instance_type == "local" else {"stop_grace_s": 3}
+src, out, name, instance_type, options, env = sys.argv[1:7]
 est = PyTorch("train.py", framework_version="2.13.0", py_version="py311", source_dir=src,
               instance_type=instance_type, instance_count=2, output_path="file://" + out,
-              backend_options=options)
+              backend_options=json.loads(options), environment=json.loads(env))
 est.fit(logs=False, job_name=name)
 '''
 
@@ -67,14 +70,31 @@ def _leftovers(client, job: str) -> list[str]:
         [n["Name"] for n in client.api.networks(filters=label)]
 
 
-def _start_driver(tmp_path: Path, instance_type: str) -> tuple[subprocess.Popen, Path, str, str]:
-    """A fit() process running SLEEPER on 2 hosts; returns once both hosts have started."""
+def _remove_labelled(client, job: str) -> None:
+    """Best effort after a failed test (the session's leak check in conftest reports it)."""
+    label = {"label": f"{local_docker_job.LABEL_JOB}={job}"}
+    for container in client.api.containers(all=True, filters=label):
+        with contextlib.suppress(docker.errors.NotFound):
+            client.api.remove_container(container["Id"], force=True)
+    for network in client.api.networks(filters=label):
+        with contextlib.suppress(docker.errors.NotFound):
+            client.api.remove_network(network["Id"])
+
+
+def _start_driver(tmp_path: Path, instance_type: str, *, options: dict | None = None,
+                  env: dict | None = None) -> tuple[subprocess.Popen, Path, str, str]:
+    """A fit() process running SLEEPER on 2 hosts; returns once both hosts have started.
+
+    `options` defaults to a 3 s grace between SIGTERM and SIGKILL."""
+    if options is None:
+        options = {"stop_timeout": 3} if instance_type == "local" else {"stop_grace_s": 3}
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir(parents=True)
     (src / "train.py").write_text(SLEEPER)
     name, marker = f"life-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(src), str(out), name,
-                               instance_type], cwd=REPO,
+                               instance_type, json.dumps(options), json.dumps(env or {})],
+                              cwd=REPO,
                               env={**_environ(), "DOCKER_LIFETIME_RUN": marker},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               start_new_session=True)
@@ -142,13 +162,7 @@ def test_killing_the_fit_process_removes_every_container_and_network(client, tmp
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-        label = {"label": f"{local_docker_job.LABEL_JOB}={name}"}
-        for container in client.api.containers(all=True, filters=label):
-            with contextlib.suppress(docker.errors.NotFound):  # best effort: conftest checks
-                client.api.remove_container(container["Id"], force=True)
-        for network in client.api.networks(filters=label):
-            with contextlib.suppress(docker.errors.NotFound):
-                client.api.remove_network(network["Id"])
+        _remove_labelled(client, name)
     err = driver.stderr.read().decode(errors="replace")
     assert driver.returncode == -sig, err[-3000:]
     reaped = f"the process that started job {name} died"
@@ -167,6 +181,36 @@ def test_killing_the_fit_process_removes_every_container_and_network(client, tmp
         assert reaped in err, err[-3000:]
         assert len(list((job_dir / "hosts").glob("algo-*/output/failure"))) == 2
         assert not (job_dir / "output").exists() or not list((job_dir / "output").iterdir())
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_sigterm_ends_within_10_s_even_when_the_script_ignores_it(client, tmp_path):
+    """stop_timeout=30 would outlast the bound: a fit() process that is ending gives the
+    containers at most ENDING_GRACE_S, then SIGKILL; the artifacts are still collected."""
+    assert local_docker_job.ENDING_GRACE_S <= GONE_WITHIN_S / 2  # room left for the cleanup
+    driver, job_dir, name, marker = _start_driver(
+        tmp_path, "local", options={"stop_timeout": 30}, env={"IGNORE_TERM": "1"})
+    procs = with_env("DOCKER_LIFETIME_RUN", marker)
+    try:
+        start = time.monotonic()
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=GONE_WITHIN_S)
+        took = time.monotonic() - start
+        assert not _leftovers(client, name) and not wait_gone(procs, 0.5)
+        print(f"SIGTERM (ignored by the script): everything gone after {took:.2f}s")
+    finally:
+        kill_all(procs + with_env("DOCKER_LIFETIME_RUN", marker))
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        _remove_labelled(client, name)
+    err = driver.stderr.read().decode(errors="replace")
+    assert driver.returncode == -signal.SIGTERM, err[-3000:]
+    assert took >= local_docker_job.ENDING_GRACE_S, took  # the containers had their grace
+    assert f"job {name}: Stopped on SIGTERM" in err, err[-3000:]
+    model = _members(job_dir / "output" / "model.tar.gz")
+    assert {"algo-1.weights", "algo-2.weights"} <= set(model), sorted(model)
 
 
 @pytest.mark.docker
