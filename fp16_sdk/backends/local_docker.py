@@ -18,7 +18,8 @@ The job runs in the training image exactly as SageMaker runs it, driven through 
 - every resource the job creates carries the label `fp16_sdk.job=<job>`;
 - nothing survives this process: before creating anything the job starts a watchdog
   (`local_docker_reaper`) that removes everything labelled with the job when this process dies,
-  SIGKILL included.
+  SIGKILL included; SIGTERM during `wait()` first stops the job and collects every host's
+  artifacts, as in local_process (`local_docker_job`).
 
 `backend_options` (see `OPTIONS`): `shm_size`, `pass_aws_credentials`, `keep_job_dir`,
 `stop_timeout`. Everything checkable is checked before anything is created; the running job
