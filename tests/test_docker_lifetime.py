@@ -3,16 +3,22 @@
 A real fit() process (instance_type="local", two containers of the real image) is killed with
 SIGTERM or SIGKILL; within 10 s the engine must hold no container and no network carrying the
 job's label, and no process of the run (the SDK's watchdog included, found by an environment
-marker that it inherits) may remain. After a job that ends normally the watchdog has exited.
+marker that it inherits) may remain. SIGTERM first stops the job as local_process does: the
+output folder then holds every host's artifacts, the same tarball members that a local_process
+job of the same script gives when its fit() process gets SIGTERM. After SIGKILL the watchdog
+removes everything and no artifacts are collected. After a job that ends normally the watchdog
+has exited.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 import uuid
@@ -29,20 +35,29 @@ from helpers.docker_engine import estimator as _estimator
 REPO = Path(__file__).resolve().parent.parent
 GONE_WITHIN_S = 10.0
 
-# Marks itself started in its model folder (bind-mounted from the host), then sleeps.
+# Writes one model file and one output file named after its host (so the merged tarballs show
+# that every host was collected), then marks itself started and sleeps until stopped (or
+# killed, when IGNORE_TERM is set).
 SLEEPER = '''
-import os, time
+import os, signal, time
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+host = os.environ["SM_CURRENT_HOST"]
+with open(os.path.join(os.environ["SM_MODEL_DIR"], host + ".weights"), "w") as f:
+    f.write("weights of " + host)
+with open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], host + ".log"), "w") as f:
+    f.write("log of " + host)
 open(os.path.join(os.environ["SM_MODEL_DIR"], "started"), "w").close()
 time.sleep(3600)
 '''
 
 DRIVER = r'''
-import sys
+import json, sys
 from fp16_sdk.pytorch import PyTorch
-src, out, name = sys.argv[1:4]
+src, out, name, instance_type, options, env = sys.argv[1:7]
 est = PyTorch("train.py", framework_version="2.13.0", py_version="py311", source_dir=src,
-              instance_type="local", instance_count=2, output_path="file://" + out,
-              backend_options={"stop_timeout": 3})
+              instance_type=instance_type, instance_count=2, output_path="file://" + out,
+              backend_options=json.loads(options), environment=json.loads(env))
 est.fit(logs=False, job_name=name)
 '''
 
@@ -55,6 +70,68 @@ def _leftovers(client, job: str) -> list[str]:
         [n["Name"] for n in client.api.networks(filters=label)]
 
 
+def _remove_labelled(client, job: str) -> None:
+    """Best effort after a failed test (the session's leak check in conftest reports it)."""
+    label = {"label": f"{local_docker_job.LABEL_JOB}={job}"}
+    for container in client.api.containers(all=True, filters=label):
+        with contextlib.suppress(docker.errors.NotFound):
+            client.api.remove_container(container["Id"], force=True)
+    for network in client.api.networks(filters=label):
+        with contextlib.suppress(docker.errors.NotFound):
+            client.api.remove_network(network["Id"])
+
+
+def _start_driver(tmp_path: Path, instance_type: str, *, options: dict | None = None,
+                  env: dict | None = None) -> tuple[subprocess.Popen, Path, str, str]:
+    """A fit() process running SLEEPER on 2 hosts; returns once both hosts have started.
+
+    `options` defaults to a 3 s grace between SIGTERM and SIGKILL."""
+    if options is None:
+        options = {"stop_timeout": 3} if instance_type == "local" else {"stop_grace_s": 3}
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir(parents=True)
+    (src / "train.py").write_text(SLEEPER)
+    name, marker = f"life-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(src), str(out), name,
+                               instance_type, json.dumps(options), json.dumps(env or {})],
+                              cwd=REPO,
+                              env={**_environ(), "DOCKER_LIFETIME_RUN": marker},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    started = out / name / "hosts"
+    deadline = time.monotonic() + 120
+    while len(list(started.glob("algo-*/model/started"))) < 2:
+        if driver.poll() is not None or time.monotonic() > deadline:
+            driver.kill()
+            driver.wait()
+            pytest.fail(f"the hosts did not start within 120 s (exit {driver.returncode}): "
+                        + driver.stderr.read().decode(errors="replace")[-3000:])
+        time.sleep(0.2)
+    return driver, out / name, name, marker
+
+
+def _members(tarball: Path) -> dict[str, bytes]:
+    with tarfile.open(tarball) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def _sigterm_artifacts_of_local_process(tmp_path: Path) -> dict[str, dict[str, bytes]]:
+    """The reference: what the same job leaves in output/ under local_process on SIGTERM."""
+    driver, job_dir, _, marker = _start_driver(tmp_path, "local_process")
+    procs = with_env("DOCKER_LIFETIME_RUN", marker)
+    try:
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=30)
+        assert not wait_gone(procs, GONE_WITHIN_S)
+    finally:
+        kill_all(procs + with_env("DOCKER_LIFETIME_RUN", marker))
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == -signal.SIGTERM, driver.stderr.read().decode(errors="replace")
+    return {kind: _members(job_dir / "output" / f"{kind}.tar.gz") for kind in ("model", "output")}
+
+
 def test_the_watchdog_uses_the_jobs_label():
     assert local_docker_reaper.LABEL_JOB == local_docker_job.LABEL_JOB
 
@@ -63,22 +140,9 @@ def test_the_watchdog_uses_the_jobs_label():
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_killing_the_fit_process_removes_every_container_and_network(client, tmp_path, sig):
-    src, out = tmp_path / "src", tmp_path / "out"
-    src.mkdir()
-    (src / "train.py").write_text(SLEEPER)
-    name, marker = f"life-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(src), str(out), name], cwd=REPO,
-                              env={**_environ(), "DOCKER_LIFETIME_RUN": marker},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              start_new_session=True)
+    driver, job_dir, name, marker = _start_driver(tmp_path / "docker", "local")
     procs: list = []
     try:
-        started = out / name / "hosts"
-        deadline = time.monotonic() + 120
-        while len(list(started.glob("algo-*/model/started"))) < 2:
-            assert driver.poll() is None, driver.stderr.read().decode(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "the containers did not start within 120 s"
-            time.sleep(0.2)
         assert len(_leftovers(client, name)) == 3  # 2 containers and the network
         procs = with_env("DOCKER_LIFETIME_RUN", marker)
         watchdogs = [p for p in procs if "local_docker_reaper" in p.cmdline]
@@ -92,25 +156,61 @@ def test_killing_the_fit_process_removes_every_container_and_network(client, tmp
         left = wait_gone(procs, max(0.0, GONE_WITHIN_S - took))
         assert not left, [p.cmdline for p in left]
         print(f"{sig.name}: containers and network gone after {took:.2f}s")
-        driver.wait(timeout=10)
+        driver.wait(timeout=max(0.1, GONE_WITHIN_S - took))  # the driver is gone in time too
     finally:
         kill_all(procs + with_env("DOCKER_LIFETIME_RUN", marker))
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-        label = {"label": f"{local_docker_job.LABEL_JOB}={name}"}
-        for container in client.api.containers(all=True, filters=label):
-            with contextlib.suppress(docker.errors.NotFound):  # best effort: conftest checks
-                client.api.remove_container(container["Id"], force=True)
-        for network in client.api.networks(filters=label):
-            with contextlib.suppress(docker.errors.NotFound):
-                client.api.remove_network(network["Id"])
+        _remove_labelled(client, name)
     err = driver.stderr.read().decode(errors="replace")
     assert driver.returncode == -sig, err[-3000:]
-    # The watchdog says what it did (its stderr is the SDK's), and the toolkits had their
-    # grace period: each wrote its failure file on the SIGTERM that `docker stop` sends.
-    assert f"the process that started job {name} died" in err, err[-3000:]
-    assert len(list((out / name / "hosts").glob("algo-*/output/failure"))) == 2
+    reaped = f"the process that started job {name} died"
+    if sig == signal.SIGTERM:
+        # The SDK stopped the job itself (the watchdog was released, it touched nothing) and
+        # collected every host's artifacts, as local_process does on SIGTERM.
+        assert f"job {name}: Stopped on SIGTERM" in err and reaped not in err, err[-3000:]
+        got = {kind: _members(job_dir / "output" / f"{kind}.tar.gz")
+               for kind in ("model", "output")}
+        assert got["model"]["algo-2.weights"] == b"weights of algo-2", got
+        assert got == _sigterm_artifacts_of_local_process(tmp_path / "process")
+    else:
+        # Only the watchdog acted. It says so (its stderr is the SDK's), the toolkits had their
+        # grace period (each wrote its failure file on the SIGTERM that `docker stop` sends),
+        # and nobody was left to collect artifacts.
+        assert reaped in err, err[-3000:]
+        assert len(list((job_dir / "hosts").glob("algo-*/output/failure"))) == 2
+        assert not (job_dir / "output").exists() or not list((job_dir / "output").iterdir())
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_sigterm_ends_within_10_s_even_when_the_script_ignores_it(client, tmp_path):
+    """stop_timeout=30 would outlast the bound: a fit() process that is ending gives the
+    containers at most ENDING_GRACE_S, then SIGKILL; the artifacts are still collected."""
+    assert local_docker_job.ENDING_GRACE_S <= GONE_WITHIN_S / 2  # room left for the cleanup
+    driver, job_dir, name, marker = _start_driver(
+        tmp_path, "local", options={"stop_timeout": 30}, env={"IGNORE_TERM": "1"})
+    procs = with_env("DOCKER_LIFETIME_RUN", marker)
+    try:
+        start = time.monotonic()
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(timeout=GONE_WITHIN_S)
+        took = time.monotonic() - start
+        assert not _leftovers(client, name) and not wait_gone(procs, 0.5)
+        print(f"SIGTERM (ignored by the script): everything gone after {took:.2f}s")
+    finally:
+        kill_all(procs + with_env("DOCKER_LIFETIME_RUN", marker))
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        _remove_labelled(client, name)
+    err = driver.stderr.read().decode(errors="replace")
+    assert driver.returncode == -signal.SIGTERM, err[-3000:]
+    assert took >= local_docker_job.ENDING_GRACE_S, took  # the containers had their grace
+    assert f"job {name}: Stopped on SIGTERM" in err, err[-3000:]
+    model = _members(job_dir / "output" / "model.tar.gz")
+    assert {"algo-1.weights", "algo-2.weights"} <= set(model), sorted(model)
 
 
 @pytest.mark.docker

@@ -10,31 +10,34 @@ output/output.tar.gz           /opt/ml/output/data of every host, merged
 ```
 Public API (small on purpose, shared by local_process and local Docker):
 `job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `read_failure`,
-`collect_artifacts`, `remove_hosts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`.
+`collect_artifacts`, `remove_hosts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`, `JobLog`, and
+`follow_or_stop` (what `wait()` does on Ctrl-C and SIGTERM, the same for both backends).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import re
 import shutil
+import signal
 import stat
 import sys
 import tarfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from fp16_sdk import contract
 from fp16_sdk.backends.base import Channel, JobSpec
 
 __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
            "checkpoint_store", "read_failure", "FAILURE_FILE_LIMIT", "collect_artifacts", "remove_hosts",
-           "final_metrics", "JobLog"]
+           "final_metrics", "JobLog", "Terminated", "sigterm_raises", "follow_or_stop"]
 
 log = logging.getLogger(__name__)
 
@@ -302,3 +305,64 @@ class JobLog:
             if finished and cursor == len(self._lines):
                 return cursor
 
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while `wait()` had the main thread (see `sigterm_raises`)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Within the block, SIGTERM raises Terminated, so `wait()` can stop the job first.
+
+    Only on the main thread and only while SIGTERM has its default action: a handler of the
+    user's own is left alone (the job's lifelines or watchdog still end it if that handler
+    exits the process).
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def raise_terminated(_signum, _frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+_T = TypeVar("_T")
+
+
+def follow_or_stop(job, follow: Callable[[], _T], *, stop: Callable[[], None],
+                   ending: Callable[[], None] | None = None) -> _T:
+    """`follow()` (a job's log follower), stopping the job first on Ctrl-C or SIGTERM.
+
+    Ctrl-C: `stop()`, then KeyboardInterrupt goes on. SIGTERM (default action, main thread):
+    `ending()` (every host stopped, its artifacts collected, status Stopped, everything the
+    job started removed), then this process ends by SIGTERM as the default action would have
+    ended it. A second SIGTERM during the stop ends the process at once; the job's lifelines
+    (local_process) or watchdog (local Docker) finish the stop.
+
+    Args:
+        job: the JobHandle (its name, spec and final status are logged).
+        follow: blocks until the job ends.
+        stop: stops the job and returns once it is stopped and cleaned up.
+        ending: the same for a process about to end, within seconds (default `stop`).
+    """
+    try:
+        with sigterm_raises():
+            return follow()
+    except KeyboardInterrupt:
+        stop()
+        raise
+    except Terminated:
+        log.warning("job %s: SIGTERM received, stopping the job", job.name)
+        (ending or stop)()
+        log.warning("job %s: %s on SIGTERM; artifacts in %s", job.name, job.status.value,
+                    job_dir(job.spec) / "output")
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action is back: we end here
+        raise SystemExit(128 + signal.SIGTERM) from None  # not reached

@@ -18,7 +18,8 @@ The job runs in the training image exactly as SageMaker runs it, driven through 
 - every resource the job creates carries the label `fp16_sdk.job=<job>`;
 - nothing survives this process: before creating anything the job starts a watchdog
   (`local_docker_reaper`) that removes everything labelled with the job when this process dies,
-  SIGKILL included.
+  SIGKILL included; SIGTERM during `wait()` first stops the job and collects every host's
+  artifacts, as in local_process (`local_docker_job`).
 
 `backend_options` (see `OPTIONS`): `shm_size`, `pass_aws_credentials`, `keep_job_dir`,
 `stop_timeout`. Everything checkable is checked before anything is created; the running job
@@ -41,7 +42,8 @@ from fp16_sdk import contract
 from fp16_sdk import image as images
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import Backend, Channel, JobSpec, refuse_unknown_options
-from fp16_sdk.backends.local_docker_job import LABEL_HOST, LABEL_JOB, DockerJob, job_labels
+from fp16_sdk.backends.local_docker_job import (ENDING_GRACE_S, LABEL_HOST, LABEL_JOB, DockerJob,
+                                                job_labels)
 from fp16_sdk.backends.local_docker_reaper import Reaper, engine_url
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.packaging import safe_extract
@@ -50,7 +52,6 @@ __all__ = ["LocalDockerBackend", "DockerOptions", "OPTIONS", "LABEL_JOB",
            "LABEL_HOST", "container_name", "network_name", "gpu_requests"]
 
 _GIB = 1 << 30
-_REAPER_GRACE_S = 5  # at most: the containers of a dead SDK are gone within 10 s
 OPTIONS = {
     "shm_size": "size of /dev/shm in each container: bytes or '<n>[kmg]' (default: half the "
                 "engine's memory shared by the instances, at least 1g)",
@@ -237,7 +238,7 @@ class LocalDockerBackend(Backend):
         try:
             # First, so that whatever is created next dies with this process.
             job.reaper = Reaper(spec.job_name, base_url=engine_url(self.client),
-                                grace=min(options.stop_timeout, _REAPER_GRACE_S))
+                                grace=min(options.stop_timeout, ENDING_GRACE_S))
             job.network = self.client.networks.create(
                 network_name(spec.job_name), driver="bridge", labels=job_labels(spec.job_name),
                 check_duplicate=True, internal=spec.enable_network_isolation)

@@ -7,9 +7,12 @@ the supervisor stops the other containers at once (the real SDK's local mode ins
 job when the first container exits, whatever its status). When all have exited the supervisor
 collects every host's artifacts into the remote layout, then removes the containers, the
 network and the host trees, whatever happened; `stop()`, Ctrl-C in `wait()` and interpreter
-exit go through the same path. When this process dies without that path (SIGTERM's default
-action, SIGKILL), the job's watchdog process (`local_docker_reaper`) removes the containers and
-the network.
+exit go through the same path. So does SIGTERM while `wait()` holds the main thread (as in
+local_process, `local_common.follow_or_stop`): the containers get SIGTERM and at most
+`ENDING_GRACE_S` before SIGKILL, every host's artifacts are collected, the job ends Stopped,
+everything is removed, and then this process ends by SIGTERM. When this process dies without
+that path (SIGKILL, SIGTERM outside `wait()`, a crash), the job's watchdog process
+(`local_docker_reaper`) removes the containers and the network.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
 from fp16_sdk.errors import TrainingJobFailedError
 
-__all__ = ["DockerJob", "LABEL_JOB", "LABEL_HOST", "job_labels"]
+__all__ = ["DockerJob", "LABEL_JOB", "LABEL_HOST", "ENDING_GRACE_S", "job_labels"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,9 @@ LABEL_HOST = "fp16_sdk.host"
 _SIGKILL_REASON = ("the container was killed with SIGKILL (exit 137): `docker kill`, or the "
                    "out-of-memory killer")
 _LIVE: "weakref.WeakSet[DockerJob]" = weakref.WeakSet()
+# SIGTERM -> SIGKILL for containers when the SDK process is ending (SIGTERM, or its death seen
+# by the watchdog), at most: the stop, the artifacts and the removal then fit in 10 s.
+ENDING_GRACE_S = 5
 
 
 def job_labels(job: str) -> dict[str, str]:
@@ -253,12 +259,13 @@ class DockerJob(JobHandle):
         Raises:
             TrainingJobFailedError: a host failed (host, exit code, failure text attached).
             KeyboardInterrupt: after stopping the job and removing everything it created.
+
+        SIGTERM stops the job the same way (with at most `ENDING_GRACE_S` for the containers),
+        then ends this process as SIGTERM's default action does.
         """
-        try:
-            self._shown = self._log.follow(start=self._shown, show=logs not in (False, "None"))
-        except KeyboardInterrupt:
-            self.stop()
-            raise
+        self._shown = lc.follow_or_stop(
+            self, lambda: self._log.follow(start=self._shown, show=logs not in (False, "None")),
+            stop=self.stop, ending=self._stop_ending)
         if self._status == JobStatus.FAILED and self._failure is not None:
             host, code, reason = self._failure
             raise TrainingJobFailedError(self.name, host=host or None, exit_code=code,
@@ -270,10 +277,17 @@ class DockerJob(JobHandle):
 
     def stop(self) -> None:
         """Stop every container (SIGTERM, SIGKILL after stop_timeout) and clean up."""
+        self._stop(self._stop_timeout)
+
+    def _stop_ending(self) -> None:
+        """`stop()` for a process that is ending: at most ENDING_GRACE_S for the containers."""
+        self._stop(min(self._stop_timeout, ENDING_GRACE_S))
+
+    def _stop(self, grace: int) -> None:
         if self._done.is_set():
             return
         self._stop_requested = True
-        self._stop_all(wait=True)
+        _parallel(lambda c: c.stop(timeout=grace), self.containers.values())
         self._done.wait()
 
     def log_lines(self) -> list[str]:

@@ -43,9 +43,8 @@ from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import (Backend, JobHandle, JobSpec, JobStatus,
                                     refuse_unknown_options)
-from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, Terminated, free_port,
-                                                  pids_with_token, send_signal,
-                                                  sigterm_raises)
+from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, free_port, pids_with_token,
+                                                  send_signal)
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 
 __all__ = ["LocalProcessBackend", "LocalProcessJob", "TOKEN_VAR"]
@@ -287,16 +286,8 @@ class LocalProcessJob(JobHandle):
         Raises:
             TrainingJobFailedError: a host failed (host, exit code, failure-file text).
         """
-        try:
-            with sigterm_raises():
-                self._log.follow(show=logs not in (False, "None"))
-        except KeyboardInterrupt:
-            self.stop()
-            raise
-        except Terminated:
-            self.stop()
-            os.kill(os.getpid(), signal.SIGTERM)  # the default action is back: we end here
-            raise SystemExit(128 + signal.SIGTERM)  # not reached: SIGTERM ends the process
+        lc.follow_or_stop(self, lambda: self._log.follow(show=logs not in (False, "None")),
+                          stop=self.stop)
         if self._error is not None:
             raise self._error
 

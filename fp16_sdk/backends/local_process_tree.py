@@ -1,5 +1,4 @@
-"""The processes of a local_process job: found by a token in their environment, signalled,
-and SIGTERM turned into an exception while `wait()` holds the main thread.
+"""The processes of a local_process job: found by a token in their environment and signalled.
 
 torchrun puts its workers in sessions of their own, out of reach of a process-group signal, so
 every process a job starts carries `FP16_SDK_JOB_TOKEN=<token>` in its environment and is
@@ -8,14 +7,11 @@ found through /proc (Linux).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
-import threading
 
-__all__ = ["TOKEN_VAR", "free_port", "pids_with_token", "send_signal", "Terminated",
-           "sigterm_raises"]
+__all__ = ["TOKEN_VAR", "free_port", "pids_with_token", "send_signal"]
 
 TOKEN_VAR = "FP16_SDK_JOB_TOKEN"
 
@@ -40,32 +36,6 @@ def pids_with_token(token: str) -> list[int]:
         except OSError:
             continue  # gone, or not ours to read
     return found
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived while `wait()` had the main thread (see `sigterm_raises`)."""
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """Within the block, SIGTERM raises Terminated, so `wait()` can stop the job first.
-
-    Only on the main thread and only while SIGTERM has its default action: a handler of the
-    user's own is left alone (the lifelines still stop the job if that handler exits).
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        yield
-        return
-
-    def raise_terminated(_signum, _frame):
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def send_signal(pid: int, sig: int, *, group: bool = False) -> None:
