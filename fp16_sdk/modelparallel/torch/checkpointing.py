@@ -396,8 +396,9 @@ def _check_sharding(manifest: dict) -> None:
     saved_sharded = f"optimizer_{pp}_{tp}_0.pt" in names
     if (f"optimizer_{pp}_{tp}.pt" in names or saved_sharded) and saved_sharded != _sharded():
         raise CheckpointError(
-            f"checkpoint was saved with per-rank optimizer state (shard_optimizer_state or "
-            f"sharded_data_parallel_degree > 1) {saved_sharded}, this job {_sharded()}: resume with the same setting (load_optimizer=False loads the "
+            f"checkpoint was saved with shard_optimizer_state={saved_sharded}, this job has "
+            f"{_sharded()} (sharded_data_parallel_degree > 1 counts as True: per-rank "
+            f"optimizer files): resume with the same setting (load_optimizer=False loads the "
             f"weights alone)")
 
 

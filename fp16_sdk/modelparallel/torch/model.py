@@ -206,6 +206,9 @@ class DistributedModel(nn.Module):
         self._broadcast_state(params=True)
         if sharded_data_parallel.enabled() and self._sdp is None:  # after the broadcast
             self._sdp = sharded_data_parallel.shard_model(self.module)
+            if state.rank == 0:
+                logging.getLogger("smp").info(sharded_data_parallel.wrap_line(self._sdp,
+                                                                              self.module))
         self._reducer = self._build_reducer()
         self.partitioned = True
         optimizer = state.optimizer

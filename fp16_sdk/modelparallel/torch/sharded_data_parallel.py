@@ -50,7 +50,7 @@ from .state import state
 
 __all__ = ["enabled", "shard_model", "SdpMasters", "is_sharded",
            "full_state_dict_values", "shard_state_dict_values", "local_optimizer_state",
-           "restore_optimizer_state", "startup_part", "parameter_bytes"]
+           "restore_optimizer_state", "startup_part", "parameter_bytes", "wrap_line"]
 
 
 def enabled() -> bool:
@@ -151,6 +151,15 @@ def parameter_bytes(module: nn.Module) -> tuple[int, int]:
         here += local.numel() * local.element_size()
         full += p.numel() * p.element_size()
     return here, full
+
+
+def wrap_line(figures: dict, module: nn.Module) -> str:
+    """Logged once the model is sharded: units and the bytes this rank holds at rest."""
+    here, full = parameter_bytes(module)
+    return (f"sharded data parallelism: {figures['units']} units (layers + root), "
+            f"{figures['sharded']} elements sharded, {figures['persistent']} kept whole; this "
+            f"rank holds {here / 2**20:.1f} MiB of the model's {full / 2**20:.1f} MiB of "
+            f"parameters at rest; at most {figures['largest_unit']} elements gathered at once")
 
 
 def full_state_dict_values(sd: dict) -> dict:
