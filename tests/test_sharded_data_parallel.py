@@ -263,3 +263,56 @@ def test_sdp_config_refusals():
     p.check_world_size(4)
     with pytest.raises(ConfigError, match=r"8 / \(1 \* 2\) = 4"):
         p.check_world_size(8)
+
+
+def _gpt2():
+    import transformers as T
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_layer=2, n_embd=32, n_head=4,
+                                          n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                          attn_pdrop=0.0))
+
+
+def _gpt2_data():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (4, 16), generator=g) for _ in range(STEPS)]
+
+
+def _gpt2_sdp(rank, world):
+    torch.cuda.is_available = lambda: False
+    smp.init({"ddp": True, "sharded_data_parallel_degree": 2,
+              "sdp_param_persistence_threshold": 100})
+    model = smp.DistributedModel(_gpt2())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+
+    @smp.step
+    def step(model, x):
+        loss = model(input_ids=x, labels=x).loss
+        model.backward(loss)
+        return loss
+    log = []
+    for x in _gpt2_data():
+        opt.zero_grad()
+        loss = step(model, x[rank * 2:rank * 2 + 2]).reduce_mean().detach()
+        torch.distributed.all_reduce(loss)
+        log.append((loss.item() / world, opt.clip_master_grads(CLIP)))
+        opt.step()
+    return log, model.state_dict()
+
+
+def test_sdp2_hf_gpt2_matches_plain_transformers():
+    """transformers' GPT-2 (blocks in transformer.h are the units, tied lm_head on the root)."""
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    ref = []
+    for x in _gpt2_data():
+        opt.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        ref.append((loss.item(), torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()))
+        opt.step()
+    for log, weights in run_ranks(_gpt2_sdp, 2, timeout=300):
+        for (loss, norm), (rloss, rnorm) in zip(log, ref):
+            assert loss == pytest.approx(rloss, rel=1e-5) and norm == pytest.approx(rnorm, rel=1e-5)
+        for name, w in model.state_dict().items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
