@@ -52,7 +52,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     before the first step is applied then).
     With `shard_optimizer_state` the masters and the optimizer state are slices over the
     reduced data-parallel group (sharded_optimizer.py); the optimizer must be elementwise
-    (SGD, Adam, AdamW, ...).
+    (SGD, Adam, AdamW, ...). With `sharded_data_parallel_degree` > 1 the masters are the
+    model's own fp32 shards (sharded_data_parallel.py).
 
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.
@@ -211,6 +212,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Step the inner optimizer on the masters, or skip on overflow (on every rank).
+
+        With sharded data parallelism the step first clips at `sdp_gradient_clipping` (> 0)
+        unless clip_master_grads ran in this step; the norm is kept in `_global_grad_norm`.
 
         Raises:
             SMPUnsupportedError: a closure was given (smp steps run outside the model call).
