@@ -316,3 +316,32 @@ def test_sdp2_hf_gpt2_matches_plain_transformers():
             assert loss == pytest.approx(rloss, rel=1e-5) and norm == pytest.approx(rnorm, rel=1e-5)
         for name, w in model.state_dict().items():
             torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
+
+
+def _delayed(rank, world):
+    torch.cuda.is_available = lambda: False
+    smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": CLIP,
+              "delayed_parameter_initialization": True, "sdp_param_persistence_threshold": 40})
+    torch.manual_seed(0)
+    with smp.model_creation():
+        inner = LayerGPT()
+    assert all(p.is_meta for p in inner.parameters())
+    model = smp.DistributedModel(inner)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    log = []
+    for x, y in batches(STEPS, batch=BATCH, seed=3):
+        opt.zero_grad()
+        loss = _step(model, x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4], 1.0)
+        loss = loss.reduce_mean().detach()
+        torch.distributed.all_reduce(loss)
+        opt.step()  # clips at sdp_gradient_clipping
+        log.append((loss.item() / world, opt._global_grad_norm))
+    return log
+
+
+def test_sdp2_with_delayed_initialization_matches_eager_creation():
+    """Meta parameters materialised (as eager creation would) and then sharded."""
+    ref = [(r["loss"], r["norm"]) for r in _reference()[0]]
+    for log in run_ranks(_delayed, 2, timeout=300):
+        for (loss, norm), (rloss, rnorm) in zip(log, ref):
+            assert loss == pytest.approx(rloss, rel=1e-5) and norm == pytest.approx(rnorm, rel=1e-5)
