@@ -180,15 +180,18 @@ def test_sdp2_tp2_fp32_matches_single_process():
     _compare(run_ranks(_sdp_tp, 4, timeout=400), _reference())
 
 
-def _fp16(rank, world, sdp, poison_rank):
-    log, _ = _train(rank, world, sdp=sdp, fp16=True, poison_rank=poison_rank)
+def _fp16(rank, world, sdp, poison_rank, tp):
+    log, _ = _train(rank, world, sdp=sdp, tp=tp, fp16=True, poison_rank=poison_rank)
     return [{k: v for k, v in e.items() if k != "grads"} for e in log]
 
 
-def test_sdp2_fp16_overflow_skips_the_step_on_every_rank():
-    """An inf on rank 1 only: both ranks skip step 1 and halve the scale, as without sdp."""
-    got = run_ranks(_fp16, 2, 2, 1, timeout=300)
-    ref = run_ranks(_fp16, 2, 1, 1, timeout=300)  # same job, rdp 2, unsharded
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sdp2_fp16_overflow_skips_the_step_on_every_rank(tp):
+    """An inf on the last rank only: every rank skips step 1 and halves the scale, as the
+    same job without sdp (rdp 2, unsharded) does; losses and norms as unsharded fp16's."""
+    world = 2 * tp
+    got = run_ranks(_fp16, world, 2, world - 1, tp, timeout=500)
+    ref = run_ranks(_fp16, world, 1, world - 1, tp, timeout=500)
     for log, rlog in zip(got, ref):
         assert [e["overflow"] for e in log] == [False, True, False]
         assert [e["scale"] for e in log] == [e["scale"] for e in rlog] == [256.0, 128.0, 128.0]
