@@ -377,7 +377,8 @@ class DistributedModel(nn.Module):
 
     # ---- state dicts -----------------------------------------------------------------------------
     def local_state_dict(self) -> dict:
-        """This rank's entries plus `_smp_is_partial: True`."""
+        """This rank's entries plus `_smp_is_partial: True` (with sharded data parallelism
+        whole tensors, gathered: collective over the sharding group)."""
         sd = model_state.local_state_dict(self.module)
         if self._sdp is not None:  # shards gathered: a partition file holds whole tensors
             sd = sharded_data_parallel.full_state_dict_values(sd)
