@@ -122,27 +122,30 @@ class SMPParameters(_Strict):
                            "pipeline stage's (same values as eager creation with the same "
                            "seed). Not with tensor_parallel_degree > 1.")
     sharded_data_parallel_degree: int = Field(
-        1, ge=1, description="Sharded data parallelism degree (MiCS/ZeRO-3 style sharding of "
-                             "parameters, gradients and optimizer state). Not implemented: only "
-                             "1 is accepted.")
+        1, ge=1, description="Sharded data parallelism degree (ZeRO-3 style sharding of "
+                             "parameters, gradients and optimizer state, on torch FSDP2). Must "
+                             "equal world / (pp * tp); needs pipeline_parallel_degree 1; not "
+                             "with shard_optimizer_state.")
     # The sdp_* keys configure sharded data parallelism only; with degree 1, as in smp, they have
     # no effect (AWS's GPT-2 example passes sdp_gradient_clipping and sdp_hierarchical_allgather
-    # on every run).
+    # on every run). With degree > 1: sharded_data_parallel.py.
     sdp_reduce_bucket_size: int = Field(
-        500_000_000, ge=1, description="Sharded DP: gradient bucket size in elements (only with "
-                                       "sharded_data_parallel_degree > 1).")
+        500_000_000, ge=1, description="Sharded DP: gradient bucket size in elements. Not "
+                                       "applied: gradients are reduce-scattered once per layer.")
     sdp_param_persistence_threshold: int = Field(
         1_000_000, ge=0, description="Sharded DP: parameters with fewer elements are not "
                                      "sharded (only with sharded_data_parallel_degree > 1).")
     sdp_max_live_parameters: int = Field(
-        1_000_000_000, ge=1, description="Sharded DP: most parameters gathered at once (only "
-                                         "with sharded_data_parallel_degree > 1).")
+        1_000_000_000, ge=1, description="Sharded DP: most parameters gathered at once; one "
+                                         "layer gathering more is an error at wrap time "
+                                         "(only with sharded_data_parallel_degree > 1).")
     sdp_hierarchical_allgather: bool = Field(
-        True, description="Sharded DP: all-gather within nodes first (only with "
-                          "sharded_data_parallel_degree > 1).")
+        True, description="Sharded DP: all-gather within nodes first. Not applied: one "
+                          "all-gather per layer over the sharding group.")
     sdp_gradient_clipping: float = Field(
-        1.0, ge=0.0, description="Sharded DP: clip the gradients' global L2 norm to this (only "
-                                 "with sharded_data_parallel_degree > 1).")
+        1.0, ge=0.0, description="Sharded DP: optimizer.step() clips the gradients' global L2 "
+                                 "norm to this unless clip_master_grads ran in the step; 0 "
+                                 "turns it off (only with sharded_data_parallel_degree > 1).")
     ddp_dist_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="Backend of the data-parallel groups; auto = NCCL on GPU, else Gloo.")
     horovod: bool = Field(False, description="TensorFlow only: accepted, ignored with a warning.")
@@ -178,11 +181,16 @@ class SMPParameters(_Strict):
         if not self.auto_partition and "default_partition" not in self.model_fields_set:
             raise ValueError("auto_partition=False needs default_partition: set "
                              "\"default_partition\" to a stage in 0..{}".format(pp - 1))
-        if self.sharded_data_parallel_degree > 1:
+        sdp = self.sharded_data_parallel_degree
+        if sdp > 1 and pp > 1:
             raise ValueError(
-                f"sharded_data_parallel_degree={self.sharded_data_parallel_degree}: sharded data "
-                f"parallelism is not implemented in this runtime; set it to 1 (for optimizer-state "
-                f"sharding use \"shard_optimizer_state\": True with \"ddp\": True)")
+                f"sharded_data_parallel_degree={sdp} needs pipeline_parallel_degree=1 (got {pp}), "
+                f"as in smp v1: use tensor_parallel_degree with sharded data parallelism, or "
+                f"set sharded_data_parallel_degree to 1")
+        if sdp > 1 and self.shard_optimizer_state:
+            raise ValueError(
+                f"sharded_data_parallel_degree={sdp} already shards the optimizer state; remove "
+                f"\"shard_optimizer_state\": True (smp v1 does not combine them either)")
         if self.horovod:
             warnings.warn("smp parameter horovod is TensorFlow only; ignored", stacklevel=2)
         # Resolve the defaults that depend on other keys (the object is frozen: bypass once).
@@ -197,7 +205,8 @@ class SMPParameters(_Strict):
         return self.pipeline_parallel_degree
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise ConfigError unless pp * tp divides `world_size`."""
+        """Raise ConfigError unless pp * tp divides `world_size` (and, with sharded data
+        parallelism, world_size / (pp * tp) is its degree)."""
         pp, tp = self.pipeline_parallel_degree, self.tensor_parallel_degree
         if world_size % (pp * tp):
             raise ConfigError(
@@ -205,6 +214,14 @@ class SMPParameters(_Strict):
                 f"tensor_parallel_degree = {pp} * {tp} = {pp * tp}: choose instance_count * "
                 f"processes_per_host as a multiple of {pp * tp}",
                 key="processes_per_host", value=world_size)
+        sdp, rdp = self.sharded_data_parallel_degree, world_size // (pp * tp)
+        if sdp > 1 and sdp != rdp:
+            raise ConfigError(
+                f"sharded_data_parallel_degree ({sdp}) must equal the reduced data-parallel "
+                f"degree world / (pipeline_parallel_degree * tensor_parallel_degree) = "
+                f"{world_size} / ({pp} * {tp}) = {rdp}: parameters are sharded over the whole "
+                f"rdp group; set it to {rdp} or use {sdp * pp * tp} processes",
+                key="sharded_data_parallel_degree", value=sdp)
 
     def to_hyperparameter(self) -> dict[str, Any]:
         """The `mp_parameters` hyperparameter: the keys the user set, under their own names."""

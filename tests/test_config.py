@@ -163,10 +163,12 @@ def test_sdp_keys_keep_their_documented_types():
 
 
 @pytest.mark.parametrize("params, key, fix", [
-    ({"sharded_data_parallel_degree": 2, "ddp": True}, "sharded_data_parallel_degree=2",
-     "set it to 1"),
+    ({"sharded_data_parallel_degree": 2, "ddp": True, "pipeline_parallel_degree": 2},
+     "sharded_data_parallel_degree=2", "needs pipeline_parallel_degree=1"),
+    ({"sharded_data_parallel_degree": 2, "ddp": True, "shard_optimizer_state": True},
+     "sharded_data_parallel_degree=2", "remove \"shard_optimizer_state\""),
 ])
-def test_unimplemented_features_are_refused_before_anything_starts(params, key, fix):
+def test_unsupported_combinations_are_refused_before_anything_starts(params, key, fix):
     with pytest.raises(ConfigError) as err:
         DistributionConfig.parse(smp(params))  # the estimator's check, before any job
     assert key in str(err.value) and fix in str(err.value)

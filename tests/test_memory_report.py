@@ -23,6 +23,11 @@ def test_startup_line_names_each_feature_and_its_share():
     assert "rdp=4 ranks (1/4 per rank)" in line
     assert "loaded 3 modules ahead" in line and "~1/2 of the model" in line
     assert "no memory-saving feature on" in startup_line(parse_mp_parameters({}), topo)
+    sdp = parse_mp_parameters({"sharded_data_parallel_degree": 4, "ddp": True,
+                               "sdp_param_persistence_threshold": 100})
+    line = startup_line(sdp, Topology(4, 1, 1, "cluster"))
+    assert "sdp=4 ranks (1/4 per rank at rest" in line and ">= 100 elements" in line
+    assert "sdp_reduce_bucket_size and sdp_hierarchical_allgather not applied" in line
 
 
 @pytest.fixture

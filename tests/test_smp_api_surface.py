@@ -192,9 +192,10 @@ def _init_with(rank, world, config):
     return ("ok", {k: getattr(smp.state.cfg, k) for k in config}, rmsg("hello"))
 
 
-def test_smp_init_accepts_the_aws_gpt2_dict_and_refuses_sharded_dp():
+def test_smp_init_accepts_the_aws_gpt2_dict_and_refuses_sdp_above_rdp():
     (ok,) = run_ranks(_init_with, 1, AWS_GPT2_INIT)
     assert ok == ("ok", AWS_GPT2_INIT, "[rank 0, pp_rank 0, tp_rank 0, rdp_rank 0] hello")
     (bad,) = run_ranks(_init_with, 1, dict(AWS_GPT2_INIT, sharded_data_parallel_degree=2))
-    assert bad[0] == "error" and "sharded_data_parallel_degree=2" in bad[2]
+    assert bad[0] == "error" and bad[1] == "sharded_data_parallel_degree"
+    assert "1 / (1 * 1) = 1" in bad[2]
     assert "set it to 1" in bad[2]

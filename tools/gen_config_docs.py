@@ -42,10 +42,16 @@ RULES = """
 - `offload_activations` acts on the modules given to `smp.set_activation_checkpointing` (their
   inputs wait in host memory); `delayed_parameter_initialization` with
   `tensor_parallel_degree > 1` is refused when the model is wrapped.
-- Not implemented, refused with an error before anything starts: `sharded_data_parallel_degree`
-  above 1. The `sdp_*` keys configure sharded data parallelism
-  only: with `sharded_data_parallel_degree` 1 they are accepted and, as in smp, have no effect
-  (AWS's GPT-2 example passes `sdp_gradient_clipping` and `sdp_hierarchical_allgather` always).
+- `sharded_data_parallel_degree` above 1 (on torch FSDP2) must equal `world / (pp * tp)`,
+  needs `pipeline_parallel_degree` 1 (as in smp v1) and excludes `shard_optimizer_state`;
+  it composes with `tensor_parallel_degree`. Parameters with fewer than
+  `sdp_param_persistence_threshold` elements stay whole on every rank. `sdp_gradient_clipping`
+  (> 0) clips in `optimizer.step()` unless the script called `clip_master_grads` in that
+  step; `sdp_max_live_parameters` below one layer's size is an error at wrap time;
+  `sdp_reduce_bucket_size` and `sdp_hierarchical_allgather` are accepted and not applied (one
+  all-gather and one reduce-scatter per layer). With `sharded_data_parallel_degree` 1 the
+  `sdp_*` keys have no effect, as in smp (AWS's GPT-2 example passes `sdp_gradient_clipping`
+  and `sdp_hierarchical_allgather` always).
 - `static_mode`, `fast_mode` and `_match_weights` (keys AWS's example scripts pass; AWS's
   tables do not list them) name pipeline execution/initialisation choices that this runtime
   always makes (one schedule replayed every step, direct stage-to-stage transfers, TP shards

@@ -64,5 +64,6 @@ def _agreement_group():
     """The group overflow is agreed over (None: this rank alone or no smp runtime)."""
     if state.groups is None or not dist.is_initialized():
         return None
-    group = state.groups.world if state.cfg.shard_optimizer_state else state.groups.mp
+    sharded = state.cfg.shard_optimizer_state or state.cfg.sharded_data_parallel_degree > 1
+    group = state.groups.world if sharded else state.groups.mp
     return group if dist.get_world_size(group) > 1 else None

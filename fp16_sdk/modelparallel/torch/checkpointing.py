@@ -64,7 +64,10 @@ def _coords(rank: int | None = None) -> tuple[int, int, int]:
 
 
 def _sharded() -> bool:
-    return bool(getattr(state.cfg, "shard_optimizer_state", False))
+    """Optimizer state differs per rdp rank: one file each (shard_optimizer_state or sharded
+    data parallelism)."""
+    cfg = state.cfg
+    return bool(cfg.shard_optimizer_state) or cfg.sharded_data_parallel_degree > 1
 
 
 def _rank_files(rank: int, *, model: bool, optimizer, fp16: bool) -> list[str]:
@@ -257,9 +260,12 @@ def _write_rank_files(folder, model, optimizer, fp16, user_content) -> dict:
 
     names = _rank_files(state.rank, model=model is not None, optimizer=optimizer is not None,
                         fp16=fp16)
+    # Sharded data parallelism: local_state_dict gathers the shards, so every rank calls it.
+    gathered = model.local_state_dict() if (
+        model is not None and state.cfg.sharded_data_parallel_degree > 1) else None
     for name in names:
         if name.startswith("model_"):
-            put(name, model.local_state_dict())
+            put(name, gathered if gathered is not None else model.local_state_dict())
         elif name.startswith("optimizer_"):
             opt_sd, fp16_sd = _split_optimizer_state(optimizer)
             put(name, opt_sd)
@@ -391,7 +397,8 @@ def _check_sharding(manifest: dict) -> None:
     if (f"optimizer_{pp}_{tp}.pt" in names or saved_sharded) and saved_sharded != _sharded():
         raise CheckpointError(
             f"checkpoint was saved with shard_optimizer_state={saved_sharded}, this job has "
-            f"{_sharded()}: resume with the same setting (load_optimizer=False loads the "
+            f"{_sharded()} (sharded_data_parallel_degree > 1 counts as True: per-rank "
+            f"optimizer files): resume with the same setting (load_optimizer=False loads the "
             f"weights alone)")
 
 

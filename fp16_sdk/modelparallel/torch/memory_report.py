@@ -32,6 +32,10 @@ def startup_line(cfg, topology) -> str:
     if cfg.shard_optimizer_state:
         parts.append(f"shard_optimizer_state on: fp32 masters and optimizer state split over "
                      f"rdp={topology.rdp} ranks (1/{topology.rdp} per rank)")
+    from .sharded_data_parallel import startup_part
+    sdp = startup_part(cfg, topology)
+    if sdp:
+        parts.append(sdp)
     if cfg.offload_activations:
         parts.append(f"offload_activations on: checkpointed modules' inputs held in host "
                      f"memory, loaded {cfg.activation_loading_horizon} modules ahead "
@@ -41,7 +45,8 @@ def startup_line(cfg, topology) -> str:
                      f"smp.model_creation hold meta parameters until wrap time, then each "
                      f"rank materialises its stage (~1/{topology.pp} of the model)")
     return "memory: " + ("; ".join(parts) if parts else "no memory-saving feature on "
-                         "(shard_optimizer_state, offload_activations, "
+                         "(shard_optimizer_state, sharded_data_parallel_degree, "
+                         "offload_activations, "
                          "delayed_parameter_initialization all off)")
 
 
@@ -86,7 +91,12 @@ def health_figures(opt) -> str:
     """The memory part of the health line."""
     parts = [f"optimizer state {_mib(optimizer_bytes(opt))}/rank"
              + (f" (1/{state.topology.rdp} sharded)" if state.cfg.shard_optimizer_state
-                else "")]
+                or state.cfg.sharded_data_parallel_degree > 1 else "")]
+    model = state.model
+    if model is not None and getattr(model, "_sdp", None) is not None:
+        from .sharded_data_parallel import parameter_bytes
+        here, full = parameter_bytes(model.module)
+        parts.append(f"parameters {_mib(here)}/rank at rest of {_mib(full)}")
     if state.cfg.offload_activations:
         s = activation_offload.stats
         parts.append(f"activations offloaded {s.offloaded} ({_mib(s.offloaded_bytes)}, host "

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import model_state
+from . import model_state, sharded_data_parallel
 from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
 from .fp16.module import BF16Module, FP16Module
 from .nn.auto import distribute_tensor_parallel
@@ -154,6 +154,7 @@ class DistributedModel(nn.Module):
         self._post_step_hooks: OrderedDict = OrderedDict()
         self._hooks_ran = False
         self._pending_load = None
+        self._sdp: dict | None = None     # sharded data parallelism: shard_model's figures
         self._backward_steps = 0          # steps that ran a backward
         if self._reducer is not None and self._reducer.armed:
             self._reducer.reset()  # the previous step raised mid-backward
@@ -190,6 +191,11 @@ class DistributedModel(nn.Module):
         optimizer's per-stage state; with pp > 1 (called by the engine inside the first step)
         also run the post-partition hooks."""
         self._broadcast_state(params=True)
+        if sharded_data_parallel.enabled() and self._sdp is None:  # after the broadcast
+            self._sdp = sharded_data_parallel.shard_model(self.module)
+            if state.rank == 0:
+                logging.getLogger("smp").info(sharded_data_parallel.wrap_line(self._sdp,
+                                                                              self.module))
         self._reducer = self._build_reducer()
         self.partitioned = True
         optimizer = state.optimizer
@@ -214,7 +220,8 @@ class DistributedModel(nn.Module):
     def _build_reducer(self) -> GradReducer:
         topo, cfg = state.topology, state.cfg
         mb_div = cfg.microbatches if self.average_grads_across_microbatches else 1
-        params = [p for _, p in self.local_named_parameters() if p.requires_grad]
+        params = [p for _, p in self.local_named_parameters()
+                  if p.requires_grad and not sharded_data_parallel.is_sharded(p)]  # FSDP's own
         replicated = [p for p in params if not _is_scaled_batch(p)]
         distributed = [p for p in params if _is_scaled_batch(p)]
         rdp_div = topo.rdp if cfg.prescaled_batch else topo.dp  # derivation: reducer.py
@@ -357,11 +364,18 @@ class DistributedModel(nn.Module):
 
     # ---- state dicts -----------------------------------------------------------------------------
     def local_state_dict(self) -> dict:
-        """This rank's entries plus `_smp_is_partial: True`."""
-        return model_state.local_state_dict(self.module)
+        """This rank's entries plus `_smp_is_partial: True` (with sharded data parallelism
+        whole tensors, gathered: collective over the sharding group)."""
+        sd = model_state.local_state_dict(self.module)
+        if self._sdp is not None:  # shards gathered: a partition file holds whole tensors
+            sd = sharded_data_parallel.full_state_dict_values(sd)
+        return sd
 
     def state_dict(self, *args, **kwargs) -> dict:
         """The full model's state dict, keys as the plain module's (collective over MP)."""
+        if self._sdp is not None:  # collective over the sharding group too
+            sd = sharded_data_parallel.full_state_dict_values(self.module.state_dict())
+            return model_state.full_state_dict_from(self.module, sd)
         return model_state.full_state_dict(self.module)
 
     def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False,
@@ -380,6 +394,8 @@ class DistributedModel(nn.Module):
     def _load(self, sd, *, strict: bool, same_partition_load: bool):
         entries, expected = model_state.prepare_state_dict_for_load(
             self.module, sd, same_partition_load=same_partition_load)
+        if self._sdp is not None:  # full tensors cut to this rank's chunks
+            entries = sharded_data_parallel.shard_state_dict_values(self.module, entries)
         if state.topology.pp == 1:
             return self.module.load_state_dict(entries, strict=strict)
         local = {k: v for k, v in entries.items() if k in expected}

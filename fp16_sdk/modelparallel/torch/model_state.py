@@ -20,7 +20,7 @@ from torch import nn
 from .state import state
 
 __all__ = ["named_modules_with_stage", "local_named_modules", "local_named_tensors",
-           "full_state_dict", "prepare_state_dict_for_load", "local_state_dict",
+           "full_state_dict", "full_state_dict_from", "prepare_state_dict_for_load", "local_state_dict",
            "PARTIAL_KEY"]
 
 PARTIAL_KEY = "_smp_is_partial"
@@ -111,6 +111,11 @@ def full_state_dict(root: nn.Module) -> dict:
     """The whole model's state dict, keys as the plain module's. Collective over the mp group."""
     sd = local_state_dict(root)
     sd.pop(PARTIAL_KEY)
+    return full_state_dict_from(root, sd)
+
+
+def full_state_dict_from(root: nn.Module, sd: dict) -> dict:
+    """`sd` (this rank's entries) with TP shards gathered and PP stages merged."""
     return _merge_pp(_gather_tp(sd, root))
 
 

@@ -35,6 +35,7 @@ from .fp16.fused_step import FusedStepper, fused_kind
 from .fp16.health import log_health, log_interval
 from .fp16.loss_scaler import DYNAMIC_LOSS_ARGS, DynamicLossScaler, StaticLossScaler
 from .fp16.master_params import MasterParams
+from . import sharded_data_parallel
 from .state import state
 
 __all__ = ["DistributedOptimizer"]
@@ -51,7 +52,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     before the first step is applied then).
     With `shard_optimizer_state` the masters and the optimizer state are slices over the
     reduced data-parallel group (sharded_optimizer.py); the optimizer must be elementwise
-    (SGD, Adam, AdamW, ...).
+    (SGD, Adam, AdamW, ...). With `sharded_data_parallel_degree` > 1 the masters are the
+    model's own fp32 shards (sharded_data_parallel.py).
 
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.
@@ -97,6 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._log_interval = log_interval()
         self._logged_skips = 0
         self._last_overflow = False
+        self._global_grad_norm = None         # the last clip's norm (clip_master_grads)
         state.optimizer = self
 
     # ---- deferred per-stage state ----------------------------------------------------------
@@ -114,7 +117,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         self._stage_state_built = True
         optimizer = self.optimizer
-        if _shard_optimizer_state():  # ZeRO-1 over RDP, any precision: sharded_optimizer.py
+        if sharded_data_parallel.enabled():  # ZeRO-3: the masters are the model's shards
+            self._masters = sharded_data_parallel.SdpMasters(optimizer, counts=_counts_in_norm)
+        elif _shard_optimizer_state():  # ZeRO-1 over RDP, any precision: sharded_optimizer.py
             from .memory_report import optimizer_line
             from .sharded_optimizer import ShardedMasters
             self._masters = ShardedMasters(optimizer, counts=_counts_in_norm)
@@ -194,6 +199,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if stats["overflow"]:
             return -1
         total = stats["norm"]
+        self._global_grad_norm = total  # read by AWS's sharded-data-parallel scripts
         coeff = max_norm / (total + 1e-6)
         factor = coeff if coeff < 1 else 1.0
         if self._unscaled:
@@ -207,6 +213,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Step the inner optimizer on the masters, or skip on overflow (on every rank).
 
+        With sharded data parallelism the step first clips at `sdp_gradient_clipping` (> 0)
+        unless clip_master_grads ran in this step; the norm is kept in `_global_grad_norm`.
+
         Raises:
             SMPUnsupportedError: a closure was given (smp steps run outside the model call).
         """
@@ -218,6 +227,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.overflow = False
             self.optimizer.step()
         else:
+            clip = state.cfg.sdp_gradient_clipping if sharded_data_parallel.enabled() else 0
+            if not self._unscaled and clip > 0:  # sdp clips itself (sharded_data_parallel.py)
+                self.clip_master_grads(clip)
             if not self._unscaled:
                 if not self._agree_stats(2.0)["overflow"]:
                     self._unscale(1.0 / self.loss_scale)
@@ -338,7 +350,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             fp32_states_only: only the inner optimizer's state (no loss scaler, no masters).
         """
         del gather_if_shard  # slices carry their layout: see the docstring
-        out = {"optimizer_state_dict": self.optimizer.state_dict(), "_smp_is_partial": True}
+        inner = self.optimizer.state_dict()
+        if sharded_data_parallel.enabled():  # this rank's chunks of the sharded state
+            inner = sharded_data_parallel.local_optimizer_state(inner)
+        out = {"optimizer_state_dict": inner, "_smp_is_partial": True}
         if not fp32_states_only:
             out.update({"loss_scaler": self.scaler.state_dict(),
                         "dynamic_loss_scale": self.scaler.dynamic, "overflow": self.overflow,
@@ -347,6 +362,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 out["fp32_from_fp16_params"] = self._masters.master_tensors()
         if _shard_optimizer_state() and self._masters is not None:
             out["sharded_layout"] = self._masters.layout()
+        if sharded_data_parallel.enabled():
+            out["sdp_layout"] = {"sdp": state.topology.rdp,
+                                 "rank": state.topology.rdp_rank(state.rank)}
         return _to_cpu(out) if cast_to_cpu else out
 
     def state_dict(self) -> dict:
@@ -378,6 +396,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 sd = reshard_state(sd["_smp_reshard"], self._masters)
             check_layout(sd, self._masters)
         inner = sd.get("optimizer_state_dict", sd)
+        if sharded_data_parallel.enabled():
+            inner = sharded_data_parallel.restore_optimizer_state(_sdp_part(sd), self.optimizer)
         self.optimizer.load_state_dict(inner)
         self._share_inner()  # torch's load replaces the param_groups list
         if "loss_scaler" in sd:
@@ -439,9 +459,28 @@ def _reduction_group():
     """The group overflow and norms are agreed over, or None when it is this rank alone."""
     if state.groups is None or not dist.is_initialized():
         return None
-    sharded = bool(getattr(state.cfg, "shard_optimizer_state", False))
+    sharded = bool(state.cfg.shard_optimizer_state) or sharded_data_parallel.enabled()
     group = state.groups.world if sharded else state.groups.mp
     return group if dist.get_world_size(group) > 1 else None
+
+
+def _sdp_part(sd: dict) -> dict:
+    """The inner state of a sharded-data-parallel save, checked to be this rank's chunk.
+
+    Raises:
+        CheckpointError: saved without sharded data parallelism, or with another degree.
+    """
+    from .errors import CheckpointError
+    saved = sd.get("sdp_layout") if "_smp_reshard" not in sd else {"sdp": len(sd["_smp_reshard"])}
+    here = state.topology.rdp
+    if saved is None or saved["sdp"] != here:
+        was = "without sharded data parallelism" if saved is None else \
+            f"with sharded_data_parallel_degree {saved['sdp']}"
+        raise CheckpointError(
+            f"optimizer state was saved {was}, this job has sharded_data_parallel_degree "
+            f"{here}: resume with the same degree, or load the weights alone "
+            f"(load_optimizer=False)")
+    return sd["optimizer_state_dict"]
 
 
 def _remap_state(optimizer, masters: MasterParams) -> None:
