@@ -19,7 +19,7 @@ from torch import nn
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.config import parse_mp_parameters
 from fp16_sdk.errors import ConfigError
-from mp_utils import run_ranks
+from helpers.mp import run_ranks
 from test_fp16_optimizer import batches, lm_loss
 
 pytestmark = pytest.mark.slow

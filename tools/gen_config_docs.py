@@ -113,7 +113,7 @@ local modes: a local job logs them once (`recorded, no effect in local mode: ...
 | `training_recipe`, `recipe_overrides` | refused (HyperPod recipes need AWS's images) | same |
 | `transformers_version`, `pytorch_version` (HuggingFace) | required unless `image_uri`, both full or both shortened | recorded (our image is used; not hyperparameters) |
 | `tensorflow_version` (HuggingFace) | refused: PyTorch only | same |
-| `backend_options` (not in SageMaker) | backend knobs (`shm_size`, `stop_grace_s`...) | ignored by SageMaker |
+| `backend_options` (not in SageMaker) | each backend's own keys, checked at construction: local_process `stop_grace_s`, `keep_job_dir`; local Docker `shm_size`, `pass_aws_credentials`, `keep_job_dir`, `stop_timeout` | EC2: `pull_policy` (`always`, `missing`); SageMaker takes none (any key is refused) |
 """
 
 
