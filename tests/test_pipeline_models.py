@@ -127,18 +127,23 @@ def _loss(out):
     return out.loss if hasattr(out, "loss") else out
 
 
-def _reference(kind, steps, lr):
+def _reference(kind, steps, lr, shards=1):
+    """Losses of every microbatch and the gradients smp should produce, single-process.
+
+    shards > 1: the batch is split into that many data-parallel shards (rows in rank order),
+    each into MB microbatches; a step's losses are listed shard by shard, and the gradient is
+    that of the mean over all shards' microbatches (what smp averages)."""
     torch.manual_seed(0)
     model = _build(kind)
     losses, grads = [], []
     for step in range(steps):
         model.zero_grad()
         data = _data(kind, step)
-        mb = [dict(zip(data, vals)) for vals in zip(*(v.chunk(MB) for v in data.values()))]
+        pieces = [v.chunk(shards * MB) for v in data.values()]
         step_losses = []
-        for inputs in mb:
-            loss = _loss(model(**inputs))
-            (loss / MB).backward()  # smp averages gradients over microbatches
+        for vals in zip(*pieces):
+            loss = _loss(model(**dict(zip(data, vals))))
+            (loss / (shards * MB)).backward()
             step_losses.append(loss.item())
         losses.append(step_losses)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -192,7 +197,10 @@ def _check(kind, assignment=None, steps=2, lr=0.1):
 def _compare(results, ref_losses, ref_grads, label):
     """Every rank's losses, and every gradient some rank holds, against the reference."""
     for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
+        want = ref_losses
+        if r.get("shard") is not None:  # this rank's microbatches of the step
+            want = [row[r["shard"] * MB:(r["shard"] + 1) * MB] for row in ref_losses]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want),
                                    rtol=1e-5, atol=1e-6)
     for step in range(len(ref_grads)):
         seen = set()
@@ -312,15 +320,16 @@ def test_a_message_with_a_long_header_crosses_stages():
     assert run_ranks(_many_tensors, 2, timeout=120)[1] is True
 
 
-def _case_tp(rank, world, kind, assignment, steps, lr):
-    """pp=2 x tp=2: prescaled batch (the TP pair feeds the same rows, rdp = 1), so every rank's
-    losses and gathered gradients compare with the single-process model's."""
+def _case_tp(rank, world, kind, assignment, steps, lr, prescaled=True):
+    """pp=2 x tp=2. prescaled: the TP pair feeds the same rows (rdp = 1); else each TP rank
+    feeds its own shard of the batch (smp's default: the TP ranks are data-parallel ranks).
+    Every rank's losses and gathered gradients compare with the single-process model's."""
     import smdistributed.modelparallel.torch as smp
     from fp16_sdk.modelparallel.torch.nn import (DistributedLinear, distributed_modules,
                                                  gather_full_state_dict)
     torch.set_num_threads(1)
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": MB,
-              "prescaled_batch": True, "auto_partition": False, "default_partition": 0,
+              "prescaled_batch": prescaled, "auto_partition": False, "default_partition": 0,
               "ddp": True})
     torch.manual_seed(0)
     if kind == "gpt2":  # HF blocks are split in place by default
@@ -346,6 +355,8 @@ def _case_tp(rank, world, kind, assignment, steps, lr):
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         data = _data(kind, step)
+        if not prescaled:  # this data-parallel rank's shard
+            data = {k: v.chunk(smp.dp_size())[smp.dp_rank()] for k, v in data.items()}
         if smp.pp_rank() != 0:  # inputs only on pipeline rank 0
             data = {k: None for k in data}
         losses.append([float(x) for x in train(model, data).outputs])
@@ -359,7 +370,7 @@ def _case_tp(rank, world, kind, assignment, steps, lr):
              distributed_modules(module)}
     stages = {n: m._smp_partition for n, m in module.named_modules()}
     return {"losses": losses, "grads": grads, "pp_rank": smp.pp_rank(), "split": split,
-            "stages": stages}
+            "stages": stages, "shard": None if prescaled else smp.dp_rank()}
 
 
 def test_hf_gpt2_pp2_tp2_equals_the_single_process_model():
@@ -370,13 +381,17 @@ def test_hf_gpt2_pp2_tp2_equals_the_single_process_model():
     _compare(results, ref_losses, ref_grads, "pp2xtp2")
 
 
-def test_model_without_modulelist_pp2_tp2_equals_the_single_process_model():
+@pytest.mark.parametrize("prescaled", [True, False])
+def test_model_without_modulelist_pp2_tp2_equals_the_single_process_model(prescaled):
     """The residual net at pp=2 x tp=2: its linears split the smp way (nn.Linear under
-    smp.tensor_parallelism(), a user layer through smp.tp_register_with_module)."""
+    smp.tensor_parallelism(), a user layer through smp.tp_register_with_module). Without
+    prescaled_batch each TP rank feeds its own rows: the split linears gather the pair's rows,
+    the rest of the model (residuals, the root's parameter, the loss) runs on each rank's own."""
     steps, lr = 2, 0.1
-    ref_losses, ref_grads = _reference("residual_tp", steps, lr)
+    ref_losses, ref_grads = _reference("residual_tp", steps, lr, shards=1 if prescaled else 2)
     assignment = {"embed": 0, "block1": 1, "block2": 1, "head": 1}
-    results = run_ranks(_case_tp, 4, "residual_tp", assignment, steps, lr, timeout=400)
+    results = run_ranks(_case_tp, 4, "residual_tp", assignment, steps, lr, prescaled,
+                        timeout=400)
     _compare(results, ref_losses, ref_grads, "residual pp2xtp2")
     for r in results:
         assert r["split"] == {"embed": "DistributedLinear", "block1.fc": "DistributedLinear",
