@@ -1,6 +1,7 @@
 """Hugging Face `Trainer` (pinned transformers, unchanged) trains through its own smp path via
 fit() in local_process, with {"partitions": 2, "microbatches": 2, "ddp": true, "fp16": true} on
-one host x 2 processes (pipeline 2 x data-parallel 1).
+one host x 2 processes (pipeline 2 x data-parallel 1), and with {"tensor_parallel_degree": 2,
+...} instead (GPT-2's blocks split over the two ranks, each feeding its own rows).
 
 Shown against independent references: the loss falls; evaluate() and predict() equal what a
 plain single-process GPT2LMHeadModel gives on the same rows, loaded with `from_pretrained` from
@@ -31,16 +32,19 @@ from fp16_sdk.pytorch import PyTorch  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SMP = {"partitions": 2, "microbatches": 2, "ddp": True, "fp16": True}
+# "partitions" must be present: transformers' is_sagemaker_mp_enabled() looks for that key
+SMP_TP2 = {"partitions": 1, "tensor_parallel_degree": 2, "microbatches": 2, "ddp": True,
+           "fp16": True}
 
 
-def _fit(out: Path, tag: str, **hps) -> dict:
+def _fit(out: Path, tag: str, smp: dict = SMP, **hps) -> dict:
     est = PyTorch("hf_trainer_train.py", source_dir=str(SCRIPTS), framework_version="2.13",
                   py_version="py311", instance_type="local_process", instance_count=1,
                   output_path=str(out / "jobs"),
                   hyperparameters={"output_dir": str(out / "hf"), "tag": tag, **hps},
                   environment={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"},
                   distribution={"smdistributed": {"modelparallel": {"enabled": True,
-                                                                    "parameters": SMP}},
+                                                                    "parameters": smp}},
                                 "mpi": {"enabled": True, "processes_per_host": 2}})
     est.fit()
     return json.loads((out / "hf" / f"results-{tag}.json").read_text())
@@ -69,7 +73,7 @@ def _eval_loss(model, rows: torch.Tensor, batch: int = 4) -> float:
 @pytest.mark.slow
 def test_trainer_train_evaluate_predict_save_resume_through_fit(tmp_path):
     full = _fit(tmp_path, "full")
-    assert full["smp"] == {"pp": 2, "dp": 1, "fp16": True}
+    assert full["smp"] == {"pp": 2, "tp": 1, "dp": 1, "fp16": True}
     losses = [h["loss"] for h in full["log"]]
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
 
@@ -95,3 +99,32 @@ def test_trainer_train_evaluate_predict_save_resume_through_fit(tmp_path):
     assert sorted(after) == list(range(7, 13))
     np.testing.assert_allclose([after[s] for s in range(7, 13)], losses[6:], atol=2e-3)
     assert resumed["eval"]["eval_loss"] == pytest.approx(full["eval"]["eval_loss"], abs=2e-3)
+
+
+@pytest.mark.slow
+def test_trainer_at_tp2_trains_evaluates_predicts_saves_and_resumes_through_fit(tmp_path):
+    full = _fit(tmp_path, "tp2", smp=SMP_TP2)
+    assert full["smp"] == {"pp": 1, "tp": 2, "dp": 2, "fp16": True}
+    losses = [h["loss"] for h in full["log"]]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
+
+    ref = _reference(tmp_path / "hf" / "final-tp2")  # save_model gathered the TP shards
+    whole = sum(p.numel() for p in ref.parameters())
+    for r in full["ranks"]:  # the blocks are split: each rank holds well under the model
+        assert r["numel"] < 0.8 * whole, (r["numel"], whole)
+    eval_rows = _pipeline_rows(full, "eval_rows")
+    assert len(eval_rows) == 16  # each TP rank evaluates its own half of the eval set
+    assert full["eval"]["eval_loss"] == pytest.approx(_eval_loss(ref, eval_rows), abs=5e-3)
+    # predict(): accelerate gathers each step's batches over the processes, rank by rank
+    ranks = sorted(full["ranks"], key=lambda r: r["rank"])
+    with torch.no_grad():
+        expect = torch.cat([ref(input_ids=torch.tensor(r["test_rows"][i])).logits.float()
+                            for i in range(len(ranks[0]["test_rows"])) for r in ranks])
+    logits = np.load(tmp_path / "hf" / "predictions-tp2.npy")
+    np.testing.assert_allclose(logits.reshape(expect.shape), expect.numpy(), atol=1e-2)
+
+    resumed = _fit(tmp_path, "tp2-resumed", smp=SMP_TP2, resume_from_checkpoint=str(
+        tmp_path / "hf" / "checkpoint-6"))
+    after = {h["step"]: h["loss"] for h in resumed["log"] if h["step"] > 6}
+    assert sorted(after) == list(range(7, 13))
+    np.testing.assert_allclose([after[s] for s in range(7, 13)], losses[6:], atol=2e-3)

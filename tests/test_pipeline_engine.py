@@ -13,7 +13,8 @@ from torch import nn
 
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.modelparallel.torch.pipeline.engine import PipelineEngine, PipelineSettings
-from fp16_sdk.modelparallel.torch.pipeline.partition import auto_partition, balance
+from fp16_sdk.modelparallel.torch.pipeline.partition import (auto_partition, balance,
+                                                             manual_partition)
 from helpers.ports import free_port
 
 VOCAB, HIDDEN, SEQ, BATCH, MB = 11, 8, 3, 8, 4
@@ -261,6 +262,30 @@ def test_auto_partition_weighs_memory_against_compute():
     assert by_compute.block_stage == (0, 0, 0, 1)
     assert by_memory.block_stage == (0, 0, 1, 1)
     assert "blocks.3 -> stage 1 (72 parameters)" in by_memory.describe(model)
+
+
+def test_manual_partition_refuses_a_stage_it_cannot_give():
+    """A stage recorded on a module that is not a layer (TinyLM: wte before the blocks, head
+    after them, blocks.1.fc inside a layer) is honoured or refused, never dropped."""
+    model = TinyLM(layers=4)
+    stages = {"blocks.2": 1, "blocks.3": 1}
+
+    def manual(extra):
+        records = {**stages, **extra}
+        named = dict(model.named_modules())
+        by_id = {id(named[n]): s for n, s in records.items()}
+        return manual_partition(model, 2, recorded=lambda m: by_id.get(id(m)), default=0)
+
+    assert manual({"head": 1, "wte": 0, "blocks.3.fc": 1}).block_stage == (0, 0, 1, 1)
+    refused = {"head": "modules registered after the layers of 'blocks' run on stage 1",
+               "wte": "modules registered before the layers of 'blocks' run on stage 0",
+               "blocks.1.fc": "the unit of placement is its layer 'blocks.1', on stage 0"}
+    for name, why in refused.items():
+        wanted = 0 if name == "head" else 1
+        with pytest.raises(ConfigError) as err:
+            manual({name: wanted})
+        assert (f"put module '{name}' on pipeline stage {wanted}, but it would run on stage "
+                f"{1 - wanted}: {why}") in str(err.value), str(err.value)
 
 
 def _smp_case(rank, world, schedule, steps, lr):

@@ -1,10 +1,14 @@
-"""pp=2 x tp=2 FP16 training of DistributedTransformerLMHead through fit() in local_process,
-on 2 hosts x 2 processes (world 4): the loss falls on every rank, every rank saw the layout
-the config asks for, and the job's model.tar.gz holds the full (gathered) model."""
+"""Pipeline jobs through fit() in local_process.
+
+pp=2 x tp=2 FP16 training of DistributedTransformerLMHead on 2 hosts x 2 processes (world 4):
+the loss falls on every rank, every rank saw the layout the config asks for, and the job's
+model.tar.gz holds the full (gathered) model. A pp=2 x rdp=2 job whose stage raises ends whole,
+soon, with that stage's error."""
 
 import importlib.util
 import json
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -51,3 +55,24 @@ def test_lm_head_pp2_tp2_fp16_trains_through_fit(tmp_path):
     total = sum(p.numel() for p in plain.parameters())
     for r in ranks:
         assert r["local_params"] < 0.4 * total, (r, total)  # 1/pp of the blocks, 1/tp shards
+
+
+@pytest.mark.slow
+def test_a_stage_that_raises_ends_the_whole_job_within_30s_with_its_error(tmp_path):
+    """pp=2 x rdp=2 on 4 processes: one replica's stage 1 raises at step 3; fit() reports that
+    error (the failure file's exception line) and every process is gone within 30 s of it."""
+    from fp16_sdk.errors import TrainingJobFailedError
+    params = {"pipeline_parallel_degree": 2, "microbatches": 1, "ddp": True,
+              "auto_partition": False, "default_partition": 0}
+    est = PyTorch("pp_stage_raises.py", source_dir=str(SCRIPTS), framework_version="2.13",
+                  py_version="py311", instance_type="local_process", instance_count=1,
+                  output_path=str(tmp_path / "jobs"), hyperparameters={"out": str(tmp_path)},
+                  distribution={"smdistributed": {"modelparallel": {"enabled": True,
+                                                                    "parameters": params}},
+                                "mpi": {"enabled": True, "processes_per_host": 4}})
+    with pytest.raises(TrainingJobFailedError) as failed:
+        est.fit(logs=False)
+    ended = time.time()
+    raised = float((tmp_path / "raised_at").read_text())
+    assert ended - raised < 30, ended - raised  # fit() returns once every process is gone
+    assert "ValueError: boom in stage 1 at step 3" in str(failed.value), str(failed.value)

@@ -30,15 +30,30 @@ class _MLP(nn.Module):
         return torch.tanh(self.fc(x))
 
 
+class _Proj(nn.Module):
+    """A user's own layer (not an nn.Linear); the tp=2 case registers it with
+    smp.tp_register_with_module as smp.nn.DistributedLinear (same parameter names), with a
+    return hook for the tanh."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width, width))
+        self.bias = nn.Parameter(torch.zeros(width))
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.weight, self.bias))
+
+
 class ResidualNet(nn.Module):
     """No ModuleList; residuals, a root parameter and a skip added in the parent's forward."""
 
-    def __init__(self, width=6):
+    def __init__(self, width=6, out=3, block2=_MLP):
         super().__init__()
         self.embed = nn.Linear(5, width)
         self.block1 = _MLP(width)
-        self.block2 = _MLP(width)
-        self.head = nn.Linear(width, 3)
+        self.block2 = block2(width)
+        self.head = nn.Linear(width, out)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
 
     def forward(self, x, target):
@@ -94,29 +109,41 @@ def _data(kind, seed):
     if kind == "mnist":
         return {"x": torch.randn(BATCH, 1, 12, 12, generator=g),
                 "target": torch.randint(0, 10, (BATCH,), generator=g)}
-    return {"x": torch.randn(BATCH, 5, generator=g), "target": torch.randn(BATCH, 3, generator=g)}
+    out = 4 if kind == "residual_tp" else 3
+    return {"x": torch.randn(BATCH, 5, generator=g), "target": torch.randn(BATCH, out, generator=g)}
+
+
+def _residual_tp():
+    """ResidualNet with sizes that split over tp=2 and a user layer (_Proj) as block2."""
+    return ResidualNet(width=8, out=4, block2=_Proj)
 
 
 def _build(kind):
-    return {"gpt2": _gpt2, "mnist": MnistNet, "residual": ResidualNet}[kind]()
+    return {"gpt2": _gpt2, "mnist": MnistNet, "residual": ResidualNet,
+            "residual_tp": _residual_tp}[kind]()
 
 
 def _loss(out):
     return out.loss if hasattr(out, "loss") else out
 
 
-def _reference(kind, steps, lr):
+def _reference(kind, steps, lr, shards=1):
+    """Losses of every microbatch and the gradients smp should produce, single-process.
+
+    shards > 1: the batch is split into that many data-parallel shards (rows in rank order),
+    each into MB microbatches; a step's losses are listed shard by shard, and the gradient is
+    that of the mean over all shards' microbatches (what smp averages)."""
     torch.manual_seed(0)
     model = _build(kind)
     losses, grads = [], []
     for step in range(steps):
         model.zero_grad()
         data = _data(kind, step)
-        mb = [dict(zip(data, vals)) for vals in zip(*(v.chunk(MB) for v in data.values()))]
+        pieces = [v.chunk(shards * MB) for v in data.values()]
         step_losses = []
-        for inputs in mb:
-            loss = _loss(model(**inputs))
-            (loss / MB).backward()  # smp averages gradients over microbatches
+        for vals in zip(*pieces):
+            loss = _loss(model(**dict(zip(data, vals))))
+            (loss / (shards * MB)).backward()
             step_losses.append(loss.item())
         losses.append(step_losses)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -170,13 +197,20 @@ def _check(kind, assignment=None, steps=2, lr=0.1):
 def _compare(results, ref_losses, ref_grads, label):
     """Every rank's losses, and every gradient some rank holds, against the reference."""
     for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses),
+        want = ref_losses
+        if r.get("shard") is not None:  # this rank's microbatches of the step
+            want = [row[r["shard"] * MB:(r["shard"] + 1) * MB] for row in ref_losses]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want),
                                    rtol=1e-5, atol=1e-6)
     for step in range(len(ref_grads)):
         seen = set()
         for r in results:
             for name, grad in r["grads"][step].items():
-                torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6,
+                want = ref_grads[step][name]
+                # atol scales with the tensor: at tp=2 the partial sums are added in another
+                # order, and an element near 0 of a gradient of size 28 carries 4e-6 of it
+                atol = 1e-6 * max(1.0, want.abs().max().item())
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=atol,
                                            msg=f"{label} step {step} {name}")
                 seen.add(name)
         assert seen == set(ref_grads[step]), set(ref_grads[step]) ^ seen
@@ -286,21 +320,30 @@ def test_a_message_with_a_long_header_crosses_stages():
     assert run_ranks(_many_tensors, 2, timeout=120)[1] is True
 
 
-def _case_tp(rank, world, steps, lr):
-    """pp=2 x tp=2 on HF GPT-2: prescaled batch (the TP pair feeds the same rows, rdp = 1), so
-    every rank's losses and gathered gradients compare with the single-process model's."""
+def _case_tp(rank, world, kind, assignment, steps, lr, prescaled=True):
+    """pp=2 x tp=2. prescaled: the TP pair feeds the same rows (rdp = 1); else each TP rank
+    feeds its own shard of the batch (smp's default: the TP ranks are data-parallel ranks).
+    Every rank's losses and gathered gradients compare with the single-process model's."""
     import smdistributed.modelparallel.torch as smp
-    from fp16_sdk.modelparallel.torch.nn import gather_full_state_dict
+    from fp16_sdk.modelparallel.torch.nn import (DistributedLinear, distributed_modules,
+                                                 gather_full_state_dict)
     torch.set_num_threads(1)
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": MB,
-              "prescaled_batch": True, "auto_partition": False, "default_partition": 0,
+              "prescaled_batch": prescaled, "auto_partition": False, "default_partition": 0,
               "ddp": True})
     torch.manual_seed(0)
-    module = _gpt2()
+    if kind == "gpt2":  # HF blocks are split in place by default
+        module = _build(kind)
+    else:  # the smp way for users' models: nn.Linear under the context, _Proj registered
+        smp.tp_register_with_module(_Proj, DistributedLinear,
+                                    init_hook=lambda width: ((width, width), {}),
+                                    return_hook=torch.tanh)
+        with smp.tensor_parallelism():
+            module = _build(kind)
     model = smp.DistributedModel(module)
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
-    for i in range(4):  # after wrapping, as AWS's GPT-2 script does
-        smp.set_partition(module.transformer.h[i], 0 if i < 3 else 1)
+    for name, stage in assignment.items():  # after wrapping, as AWS's GPT-2 script does
+        smp.set_partition(module.get_submodule(name), stage)
 
     @smp.step
     def train(model, inputs):
@@ -311,7 +354,9 @@ def _case_tp(rank, world, steps, lr):
     losses, grads = [], []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        data = _data("gpt2", step)
+        data = _data(kind, step)
+        if not prescaled:  # this data-parallel rank's shard
+            data = {k: v.chunk(smp.dp_size())[smp.dp_rank()] for k, v in data.items()}
         if smp.pp_rank() != 0:  # inputs only on pipeline rank 0
             data = {k: None for k in data}
         losses.append([float(x) for x in train(model, data).outputs])
@@ -321,11 +366,34 @@ def _case_tp(rank, world, steps, lr):
         full = gather_full_state_dict(module, local)  # collective over the TP pair
         grads.append({n: g.clone() for n, g in full.items()})
         optimizer.step()
-    return {"losses": losses, "grads": grads, "pp_rank": smp.pp_rank()}
+    split = {n: type(m).__name__ for n, m in module.named_modules() if m in
+             distributed_modules(module)}
+    stages = {n: m._smp_partition for n, m in module.named_modules()}
+    return {"losses": losses, "grads": grads, "pp_rank": smp.pp_rank(), "split": split,
+            "stages": stages, "shard": None if prescaled else smp.dp_rank()}
 
 
 def test_hf_gpt2_pp2_tp2_equals_the_single_process_model():
     steps, lr = 2, 0.1
     ref_losses, ref_grads = _reference("gpt2", steps, lr)
-    results = run_ranks(_case_tp, 4, steps, lr, timeout=400)
+    layers = {f"transformer.h.{i}": (0 if i < 3 else 1) for i in range(4)}
+    results = run_ranks(_case_tp, 4, "gpt2", layers, steps, lr, timeout=400)
     _compare(results, ref_losses, ref_grads, "pp2xtp2")
+
+
+@pytest.mark.parametrize("prescaled", [True, False])
+def test_model_without_modulelist_pp2_tp2_equals_the_single_process_model(prescaled):
+    """The residual net at pp=2 x tp=2: its linears split the smp way (nn.Linear under
+    smp.tensor_parallelism(), a user layer through smp.tp_register_with_module). Without
+    prescaled_batch each TP rank feeds its own rows: the split linears gather the pair's rows,
+    the rest of the model (residuals, the root's parameter, the loss) runs on each rank's own."""
+    steps, lr = 2, 0.1
+    ref_losses, ref_grads = _reference("residual_tp", steps, lr, shards=1 if prescaled else 2)
+    assignment = {"embed": 0, "block1": 1, "block2": 1, "head": 1}
+    results = run_ranks(_case_tp, 4, "residual_tp", assignment, steps, lr, prescaled,
+                        timeout=400)
+    _compare(results, ref_losses, ref_grads, "residual pp2xtp2")
+    for r in results:
+        assert r["split"] == {"embed": "DistributedLinear", "block1.fc": "DistributedLinear",
+                              "block2": "DistributedLinear", "head": "DistributedLinear"}, r
+        assert r["stages"]["block1"] == 1 and r["stages"]["embed"] == 0

@@ -107,7 +107,9 @@ HF_TRAINER = [
     "`SM_FRAMEWORK_PARAMS` has `sagemaker_mpi_enabled` and `smdistributed` imports; "
     "`smdistributed.modelparallel.__version__` is the smp API release implemented (1.16.0), so "
     "it takes its smp >= 1.10 code. train, evaluate, predict, `save_model` (a directory plain "
-    "`from_pretrained` loads), checkpoints and `resume_from_checkpoint` work.", "",
+    "`from_pretrained` loads), checkpoints and `resume_from_checkpoint` work, at pipeline 2 "
+    "and at tensor parallel 2 (GPT-2's blocks split at wrap time; a tensor-parallel job still "
+    "needs the `partitions` key, e.g. `\"partitions\": 1`).", "",
     "- What it calls: `smp.init`, `smp.DistributedModel` (wrapped again by `evaluate()` / "
     "`predict()` before `train()`: the same module returns the same model), "
     "`smp.DistributedOptimizer` and `.clip_master_grads`, `@smp.step` bodies returning "
@@ -121,7 +123,8 @@ HF_TRAINER = [
     "- Data: accelerate shards the loaders over every process, and the pipeline computes "
     "pipeline rank 0's batches, as smp does (stages > 0 run the forward with stage 0's "
     "arguments); evaluate() and predict() report pipeline rank 0's rows, and predict()'s "
-    "gathered predictions hold one copy per process of the pipeline.",
+    "gathered predictions hold one copy per process of the pipeline. With tensor parallelism "
+    "(prescaled_batch off) each TP rank is a data-parallel rank with its own rows.",
     "- On a CPU: transformers' device setup under smp is `torch.device(\"cuda\", "
     "smp.local_rank())`; override `TrainingArguments._setup_devices` to return "
     "`smp.state.device` (tests/scripts/hf_trainer_train.py).",

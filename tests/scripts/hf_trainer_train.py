@@ -1,5 +1,6 @@
 """Hugging Face `Trainer` on its own SageMaker-model-parallel path (run by
-tests/test_hf_trainer.py through fit(); pipeline 2 x microbatches 2, ddp, fp16).
+tests/test_hf_trainer.py through fit(); pipeline 2 or tensor parallel 2, microbatches 2,
+ddp, fp16).
 
 transformers turns smp on by itself: `SM_HP_MP_PARAMETERS` holds "partitions",
 `SM_FRAMEWORK_PARAMS` has sagemaker_mpi_enabled and `smdistributed` imports, so
@@ -87,7 +88,8 @@ def main():
     eval_set, test_set = Sequences(16, 2), Sequences(16, 3)
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(64, 1),
                       eval_dataset=eval_set)
-    out = {"smp": {"pp": smp.pp_size(), "dp": smp.dp_size(), "fp16": smp.state.cfg.fp16}}
+    out = {"smp": {"pp": smp.pp_size(), "tp": smp.tp_size(), "dp": smp.dp_size(),
+                   "fp16": smp.state.cfg.fp16}}
     if a.evaluate_first:  # wraps the model before train() does (Trainer's own _wrap_model)
         out["eval_before_train"] = trainer.evaluate()
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)
@@ -97,6 +99,7 @@ def main():
     out["predict_metrics"] = pred.metrics
     trainer.save_model(os.path.join(a.output_dir, f"final-{a.tag}"))
     mine = {"rank": smp.rank(), "pp_rank": smp.pp_rank(), "dp_rank": smp.dp_rank(),
+            "numel": sum(p.numel() for p in model.parameters()),  # this rank's share
             "eval_rows": rows_of(trainer.get_eval_dataloader()),
             "test_rows": rows_of(trainer.get_test_dataloader(test_set))}
     out["ranks"] = smp.allgather(mine, smp.WORLD)

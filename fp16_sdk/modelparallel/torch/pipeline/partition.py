@@ -24,7 +24,9 @@ without communicating.
 Manual partitioning (`auto_partition: False`): a block's stage is the innermost
 `smp.partition(i)` / `smp.set_partition(module, i)` recorded on it or an ancestor, else
 `default_partition`; the stages must not decrease along the block list and every stage needs a
-block.
+block. A stage recorded on any other module must be the one it runs on (pre: 0, post: the
+last, a module inside a block: the block's), else the partition is refused naming the module:
+a placement asked for is never silently dropped.
 """
 
 from __future__ import annotations
@@ -250,5 +252,31 @@ def manual_partition(module: nn.Module, p: int, *,
             f"give every stage a block (stages without one: {empty}); use smp.partition(i) "
             f"or smp.set_partition so stage indices rise along the layers",
             key="auto_partition", value=False)
-    owners = _param_owners(module, blocks, stages, pre, post, p)
-    return Partition(p, path, tuple(stages), pre, post, owners, "manual", tuple(blocks))
+    partition = Partition(p, path, tuple(stages), pre, post,
+                          _param_owners(module, blocks, stages, pre, post, p), "manual",
+                          tuple(blocks))
+    _check_records(module, partition, recorded, {id(m) for m in chain})
+    return partition
+
+
+def _check_records(module: nn.Module, partition: Partition, recorded, chain: set[int]) -> None:
+    """Refuse a recorded stage that the partition does not give its module (module doc)."""
+    units = partition.unit_stages()
+    layers = f"'{partition.blocks_path}'" if partition.blocks_path else "the root module"
+    for name, sub in module.named_modules():
+        wanted = recorded(sub)
+        if wanted is None or id(sub) in chain or name in partition.block_names:
+            continue  # ancestors of the blocks run everywhere; blocks were placed above
+        unit = next((u for u in units if name == u or name.startswith(f"{u}.")), None)
+        if unit is None or units[unit] == wanted:
+            continue
+        if unit in partition.pre or unit in partition.post:
+            where = "before" if unit in partition.pre else "after"
+            why = f"modules registered {where} the layers of {layers} run on stage {units[unit]}"
+        else:
+            why = f"the unit of placement is its layer '{unit}', on stage {units[unit]}"
+        raise SMPConfigError(
+            f"smp.partition / smp.set_partition put module '{name}' on pipeline stage "
+            f"{wanted}, but it would run on stage {units[unit]}: {why}. Set the partition of "
+            f"the layers (children of {layers}) instead, or remove this one",
+            key="partition", value=wanted)
