@@ -9,6 +9,8 @@ by `pipeline_parallel_degree * tensor_parallel_degree`. That is exactly what smp
 (`rdp = size / (pp * tp)` must be an integer); a per-host rule would wrongly refuse valid layouts
 such as pp=4 over 2 hosts of 2 processes with placement "spread". When `processes_per_host` is
 not given (one process per GPU, decided inside the container) the rule is checked by `smp.init()`.
+
+Size: over the 400-line guide because it is one table of every smp v1 key (one Field each).
 """
 
 from __future__ import annotations

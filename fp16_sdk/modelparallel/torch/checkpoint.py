@@ -1,4 +1,4 @@
-"""`smp.save` / `smp.load` (spec §9): torch.save/torch.load with per-partition files.
+"""`smp.save` / `smp.load` torch.save/torch.load with per-partition files.
 
 A partial file is `f"{f}_{mp_rank}"`, or `f"{f}_{pp_rank}_{tp_rank}"` when
 tensor_parallel_degree > 1; with `v3=True` (smp 1.10+: one file per rank, for optimizer state

@@ -1,4 +1,4 @@
-"""`smp.save_checkpoint` / `smp.resume_from_checkpoint` (spec §9): crash-safe training state.
+"""`smp.save_checkpoint` / `smp.resume_from_checkpoint` crash-safe training state.
 
 Layout under `path` (file names as smp v1's; rankinfo is `{pp_rank}_{tp_rank}`):
 
@@ -32,6 +32,9 @@ Test hook: `FP16_SDK_CKPT_TEST_PAUSE_AFTER=<glob>` makes a rank sleep after it r
 whose name (or "<folder>/<name>", e.g. "step8_partial/optimizer_*") matches, so a test can
 SIGKILL it between files; a swap also pauses at "<tag>_partial/.swap-retired" and
 "<tag>_partial/.swap-done".
+
+Size: over the 400-line guide: save, resume, the newest index and pruning share the crash-safe
+swap and the manifest checks; splitting them into a checkpoint package is an open structure item.
 """
 
 from __future__ import annotations

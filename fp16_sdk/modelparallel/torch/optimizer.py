@@ -1,6 +1,6 @@
 """`smp.DistributedOptimizer`: fp32 masters, loss scaling, overflow skip and master-grad clipping.
 
-One step in fp16 mode (spec smp-v1-api.md §5), in the order scripts call it:
+One step in fp16 mode, in the order scripts call it:
 
     zero_grad()            zero the flat fp16 grad buffers (one kernel per bucket)
     model.backward(loss)   DistributedModel multiplies loss.float() by `loss_scale`
@@ -20,6 +20,10 @@ back: the step's single host sync. Then one of two paths:
 - exact (any other optimizer, CPU, fp32 params among the half ones): the fp16 grads are
   widened into fp32 master grads times grad_factor in one kernel per bucket, the inner
   optimizer steps the masters, and one copy per bucket writes master -> fp16.
+
+Size: over the 400-line guide, because one class serves the three precision modes (fp32,
+exact half, fused half) and the sharded paths' seams; splitting the step into named phases
+with one object per mode is an open structure item.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.
         static_loss_scale: constant loss scale (fp16 only; None means 1.0).
-        dynamic_loss_scale: use the dynamic scaler of §5.1 (fp16 only).
+        dynamic_loss_scale: use the dynamic loss scaler (fp16/loss_scaler.py; fp16 only).
         dynamic_loss_args: dict of scaler arguments (init_scale, scale_factor, scale_window,
             min_scale, delayed_shift, consecutive_hysteresis); they may also come flattened.
 
@@ -427,7 +431,7 @@ def _make_scaler(fp16, static_loss_scale, dynamic_loss_scale, dynamic_loss_args,
             f"{sorted(DYNAMIC_LOSS_ARGS)} (in dynamic_loss_args={{...}} or as keywords)",
             key=unknown[0], value=args[unknown[0]])
     if not fp16:
-        return StaticLossScaler(1.0)  # loss-scale arguments act only with fp16 (spec §5)
+        return StaticLossScaler(1.0)  # loss-scale arguments act only with fp16, as in smp
     if dynamic_loss_scale:
         return DynamicLossScaler(**{**DYNAMIC_LOSS_ARGS, **args})
     return StaticLossScaler(1.0 if static_loss_scale is None else static_loss_scale)

@@ -37,6 +37,9 @@ RAdam, Adagrad, RMSprop, Rprop. Others (LAMB's per-tensor trust ratio, LBFGS) ar
 Checkpoints (`layout()` / `reshard_state`): each rank saves its slice; the slices of all
 saved ranks concatenated are the bucket's full flat state (the layout inside a bucket does
 not depend on rdp, only the trailing padding does), so a checkpoint loads into another rdp.
+
+Size: just over the 400-line guide: the bucket layout, the step and the resharding of
+checkpoints into another rdp belong to one data structure.
 """
 
 from __future__ import annotations
