@@ -19,6 +19,7 @@ as in CI; without a reachable engine that part is skipped, the Docker tests say 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -93,6 +94,11 @@ _DOCKER = pytest.StashKey[tuple]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    # A suite started as a background job of a non-interactive shell inherits SIGINT ignored
+    # (POSIX), and so would every fit() it starts: the Ctrl-C tests would then test nothing.
+    # Ctrl-C is what they simulate, so the session restores Python's own handler.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     token = uuid.uuid4().hex
     os.environ[SESSION_VAR] = token
     session.stash[_MARKER] = f"{SESSION_VAR}={token}".encode()
