@@ -132,8 +132,9 @@ class SMPParameters(_Strict):
     # no effect (AWS's GPT-2 example passes sdp_gradient_clipping and sdp_hierarchical_allgather
     # on every run). With degree > 1: sharded_data_parallel.py.
     sdp_reduce_bucket_size: int = Field(
-        500_000_000, ge=1, description="Sharded DP: gradient bucket size in elements. Not "
-                                       "applied: gradients are reduce-scattered once per layer.")
+        500_000_000, ge=1, description="Sharded DP: gradient bucket size in elements. With "
+                                       "sharded_data_parallel_degree > 1 setting it is an error: "
+                                       "gradients are reduce-scattered once per layer.")
     sdp_param_persistence_threshold: int = Field(
         1_000_000, ge=0, description="Sharded DP: parameters with fewer elements are not "
                                      "sharded (only with sharded_data_parallel_degree > 1).")
@@ -142,8 +143,9 @@ class SMPParameters(_Strict):
                                          "layer gathering more is an error at wrap time "
                                          "(only with sharded_data_parallel_degree > 1).")
     sdp_hierarchical_allgather: bool = Field(
-        True, description="Sharded DP: all-gather within nodes first. Not applied: one "
-                          "all-gather per layer over the sharding group.")
+        True, description="Sharded DP: all-gather within nodes first (smp's default). With "
+                          "sharded_data_parallel_degree > 1 an explicit true is an error: "
+                          "each layer is gathered in one all-gather over the sharding group.")
     sdp_gradient_clipping: float = Field(
         1.0, ge=0.0, description="Sharded DP: optimizer.step() clips the gradients' global L2 "
                                  "norm to this unless clip_master_grads ran in the step; 0 "
@@ -189,6 +191,18 @@ class SMPParameters(_Strict):
                 f"sharded_data_parallel_degree={sdp} needs pipeline_parallel_degree=1 (got {pp}), "
                 f"as in smp v1: use tensor_parallel_degree with sharded data parallelism, or "
                 f"set sharded_data_parallel_degree to 1")
+        if sdp > 1 and "sdp_reduce_bucket_size" in self.model_fields_set:
+            raise ValueError(
+                f"sdp_reduce_bucket_size={self.sdp_reduce_bucket_size} cannot be applied with "
+                f"sharded_data_parallel_degree={sdp}: this runtime (torch FSDP2) reduce-scatters "
+                f"each layer's gradients in one collective, not in buckets; remove the key")
+        if sdp > 1 and self.sdp_hierarchical_allgather and \
+                "sdp_hierarchical_allgather" in self.model_fields_set:
+            raise ValueError(
+                f"sdp_hierarchical_allgather=True cannot be applied with "
+                f"sharded_data_parallel_degree={sdp}: this runtime (torch FSDP2) gathers each "
+                f"layer in one all-gather over the sharding group, with no per-node stage; "
+                f"remove the key or set it to false")
         if sdp > 1 and self.shard_optimizer_state:
             raise ValueError(
                 f"sharded_data_parallel_degree={sdp} already shards the optimizer state; remove "

@@ -27,7 +27,7 @@ def test_startup_line_names_each_feature_and_its_share():
                                "sdp_param_persistence_threshold": 100})
     line = startup_line(sdp, Topology(4, 1, 1, "cluster"))
     assert "sdp=4 ranks (1/4 per rank at rest" in line and ">= 100 elements" in line
-    assert "sdp_reduce_bucket_size and sdp_hierarchical_allgather not applied" in line
+    assert "one all-gather and one reduce-scatter per layer" in line
 
 
 @pytest.fixture

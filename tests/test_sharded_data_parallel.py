@@ -261,6 +261,14 @@ def test_sdp_config_refusals():
         parse_mp_parameters({"sharded_data_parallel_degree": 2, "pipeline_parallel_degree": 2})
     with pytest.raises(ConfigError, match="shard_optimizer_state"):
         parse_mp_parameters({"sharded_data_parallel_degree": 2, "shard_optimizer_state": True})
+    with pytest.raises(ConfigError, match="sdp_reduce_bucket_size=1000 cannot be applied"):
+        parse_mp_parameters({"sharded_data_parallel_degree": 2, "sdp_reduce_bucket_size": 1000})
+    with pytest.raises(ConfigError, match="sdp_hierarchical_allgather=True cannot be applied"):
+        parse_mp_parameters({"sharded_data_parallel_degree": 2,
+                             "sdp_hierarchical_allgather": True})
+    # AWS's sdp scripts pass sdp_hierarchical_allgather False; degree 1 keeps every sdp_* key
+    parse_mp_parameters({"sharded_data_parallel_degree": 2, "sdp_hierarchical_allgather": False})
+    parse_mp_parameters({"sdp_reduce_bucket_size": 1000, "sdp_hierarchical_allgather": True})
     p = parse_mp_parameters({"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2,
                              "ddp": True})
     p.check_world_size(4)

@@ -48,8 +48,8 @@ RULES = """
   `sdp_param_persistence_threshold` elements stay whole on every rank. `sdp_gradient_clipping`
   (> 0) clips in `optimizer.step()` unless the script called `clip_master_grads` in that
   step; `sdp_max_live_parameters` below one layer's size is an error at wrap time;
-  `sdp_reduce_bucket_size` and `sdp_hierarchical_allgather` are accepted and not applied (one
-  all-gather and one reduce-scatter per layer). With `sharded_data_parallel_degree` 1 the
+  setting `sdp_reduce_bucket_size`, or `sdp_hierarchical_allgather` to true, is an error (one
+  all-gather and one reduce-scatter per layer: no buckets, no per-node stage). With `sharded_data_parallel_degree` 1 the
   `sdp_*` keys have no effect, as in smp (AWS's GPT-2 example passes `sdp_gradient_clipping`
   and `sdp_hierarchical_allgather` always).
 - `static_mode`, `fast_mode` and `_match_weights` (keys AWS's example scripts pass; AWS's

@@ -31,9 +31,9 @@ the world: every sharded element is owned by one rank of its sharding group; per
 parameters count on rdp rank 0 only.
 
 Keys: `sdp_max_live_parameters` is checked (a unit gathering more elements than it is an error
-naming the unit); `sdp_reduce_bucket_size` and `sdp_hierarchical_allgather` are not applied
-(one reduce-scatter and one all-gather per unit over the sharding group); the start-up
-summary says so. `sdp_gradient_clipping` (> 0) clips in `optimizer.step()` when the script
+naming the unit); there is one reduce-scatter and one all-gather per unit over the sharding
+group, so setting `sdp_reduce_bucket_size`, or `sdp_hierarchical_allgather` to true, is
+refused by the config (config.py) instead of being accepted and ignored. `sdp_gradient_clipping` (> 0) clips in `optimizer.step()` when the script
 did not call `clip_master_grads` in that step (AWS's sdp scripts rely on it).
 """
 
@@ -360,6 +360,5 @@ def startup_part(cfg, topology) -> str | None:
             f"sdp={sdp} ranks (1/{sdp} per rank at rest, fp32 masters when fp16/bf16); each "
             f"layer gathered for its forward and backward and freed after; "
             f"sdp_gradient_clipping={cfg.sdp_gradient_clipping} applied in optimizer.step() "
-            f"unless clip_master_grads ran; sdp_reduce_bucket_size and "
-            f"sdp_hierarchical_allgather not applied (one collective per layer)")
+            f"unless clip_master_grads ran; one all-gather and one reduce-scatter per layer")
 
