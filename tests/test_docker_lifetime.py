@@ -70,6 +70,15 @@ def _leftovers(client, job: str) -> list[str]:
         [n["Name"] for n in client.api.networks(filters=label)]
 
 
+def _clean_up(client, driver, procs, marker: str, name: str) -> None:
+    """Whatever a failed check left: the run's processes, the driver, the job's containers."""
+    kill_all(procs + with_env("DOCKER_LIFETIME_RUN", marker))
+    if driver.poll() is None:
+        driver.kill()
+        driver.wait()
+    _remove_labelled(client, name)
+
+
 def _remove_labelled(client, job: str) -> None:
     """Best effort after a failed test (the session's leak check in conftest reports it)."""
     label = {"label": f"{local_docker_job.LABEL_JOB}={job}"}
@@ -158,11 +167,7 @@ def test_killing_the_fit_process_removes_every_container_and_network(client, tmp
         print(f"{sig.name}: containers and network gone after {took:.2f}s")
         driver.wait(timeout=max(0.1, GONE_WITHIN_S - took))  # the driver is gone in time too
     finally:
-        kill_all(procs + with_env("DOCKER_LIFETIME_RUN", marker))
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-        _remove_labelled(client, name)
+        _clean_up(client, driver, procs, marker, name)
     err = driver.stderr.read().decode(errors="replace")
     assert driver.returncode == -sig, err[-3000:]
     reaped = f"the process that started job {name} died"
@@ -200,11 +205,7 @@ def test_sigterm_ends_within_10_s_even_when_the_script_ignores_it(client, tmp_pa
         assert not _leftovers(client, name) and not wait_gone(procs, 0.5)
         print(f"SIGTERM (ignored by the script): everything gone after {took:.2f}s")
     finally:
-        kill_all(procs + with_env("DOCKER_LIFETIME_RUN", marker))
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-        _remove_labelled(client, name)
+        _clean_up(client, driver, procs, marker, name)
     err = driver.stderr.read().decode(errors="replace")
     assert driver.returncode == -signal.SIGTERM, err[-3000:]
     assert took >= local_docker_job.ENDING_GRACE_S, took  # the containers had their grace

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fp16_sdk.extraction import safe_extract
+from helpers.docker_engine import IMAGE, client  # noqa: F401 (the fixture)
 from hostile_tarballs import (CASES, _dir, _reg, applies, check_refused, escape_without_filter,
                               make_arena, write_tar)
 
@@ -46,20 +47,11 @@ def test_sentinel_check_sees_a_real_escape(tmp_path):
 
 
 @pytest.mark.docker
-def test_the_table_is_refused_on_the_images_python(tmp_path):
+def test_the_table_is_refused_on_the_images_python(client, tmp_path):
     """The whole table inside a container of the training image, on its Python, through this
     checkout's extraction code (mounted read-only); only the arena is writable."""
-    from helpers.docker_engine import IMAGE, unavailable as _unavailable
-    from fp16_sdk import image as images
-    from fp16_sdk.errors import DockerUnavailableError
     from docker.types import Mount
 
-    try:
-        client = images.connect(timeout=30)
-    except DockerUnavailableError as exc:
-        _unavailable(f"no Docker engine ({exc})")
-    if not images.image_exists(IMAGE, client=client):
-        _unavailable(f"image {IMAGE} is missing (build it with `make image`)")
     arena = tmp_path / "arena"
     arena.mkdir()
     container = client.containers.run(
