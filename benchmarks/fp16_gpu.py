@@ -156,6 +156,23 @@ def _sdpa_context():
     return sdpa_kernel(order, set_priority=True)
 
 
+def _smp_run_step(train_step, model, opt, clip):
+    """One timed smp step (the smp arms share it): the events bracket the clip, so the
+    optimizer window can be split at the end of clipping."""
+    def run_step(x, y, ev):
+        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, x, y).reduce_mean()
+        if ev is not None:
+            ev[0].record()
+        if clip:
+            opt.clip_master_grads(MAX_NORM)
+        if ev is not None:
+            ev[1].record()
+        opt.step()
+        return loss.detach()
+    return run_step
+
+
 def _timed_loop(run_step, batches, steps, warmup):
     """run_step(x, y, (ev_bwd, ev_clip)) -> loss; returns wall s, opt-step ms, losses, and
     the step's first part (end of backward to end of clip: norm, overflow check, host sync)."""
@@ -290,19 +307,7 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
         model.backward(loss)
         return loss
 
-    def run_step(x, y, ev):
-        opt.zero_grad(set_to_none=True)
-        loss = train_step(model, x, y).reduce_mean()
-        if ev is not None:
-            ev[0].record()
-        if clip:
-            opt.clip_master_grads(MAX_NORM)
-        if ev is not None:
-            ev[1].record()
-        opt.step()
-        return loss.detach()
-
-    result = _timed_loop(run_step, batches, steps, warmup)
+    result = _timed_loop(_smp_run_step(train_step, model, opt, clip), batches, steps, warmup)
     extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
              "fused_optimizer_step": opt._fused is not None,
              "loss": "smp.nn lm_loss" if snn else SMP_LOSS}
@@ -345,19 +350,7 @@ def arm_hf(cfg, batches, steps, warmup, *, clip: bool, tp_path: bool):
         model.backward(loss)
         return loss
 
-    def run_step(x, y, ev):
-        opt.zero_grad(set_to_none=True)
-        loss = train_step(model, x, y).reduce_mean()
-        if ev is not None:
-            ev[0].record()
-        if clip:
-            opt.clip_master_grads(MAX_NORM)
-        if ev is not None:
-            ev[1].record()
-        opt.step()
-        return loss.detach()
-
-    result = _timed_loop(run_step, batches, steps, warmup)
+    result = _timed_loop(_smp_run_step(train_step, model, opt, clip), batches, steps, warmup)
     extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
              "fused_optimizer_step": opt._fused is not None, "loss": "fp32 in the step"}
     return result, sizes, extra, (model, opt)
