@@ -9,14 +9,7 @@ set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
-if ! python3 -c "import pydantic" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-# NVLink multicast stays off (the device notes: it can take the host's GPUs out of service).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/device_env.sh
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 mode=(--gpus "$gpus")
 if [ "${DRY_RUN:-0}" = 1 ] || [ "$gpus" -lt 2 ]; then
