@@ -366,6 +366,23 @@ def test_torchrun_worker_exception_is_the_error_message(tmp_path):
     assert lines[2] == "ErrorMessage: RuntimeError: rank one broke"  # not torchrun's summary
 
 
+def test_worker_exception_after_process_group_init_is_the_error_message(tmp_path):
+    """Once a worker's process group exists (every smp job), torch prints its uncaught
+    traceback with a "[rank1]: " prefix on every line; the failure still names the error."""
+    script = ("import os, time\nimport torch.distributed as dist\n"
+              "dist.init_process_group('gloo')\nif os.environ['RANK'] == '1':\n"
+              "    raise RuntimeError('rank one broke')\ntime.sleep(1)\n")
+    base = make_job(tmp_path, {"train.py": script}, {
+        "sagemaker_torch_distributed_enabled": True,
+        "sagemaker_mpi_num_of_processes_per_host": 2})
+    proc = run_toolkit(base)
+    text = (base / "output" / "failure").read_text()
+    lines = text.splitlines()
+    assert proc.returncode == 1 and lines[0] == "ExitCode 1"
+    assert "[rank1]: RuntimeError: rank one broke" in text  # the prefix is really there
+    assert lines[2] == "ErrorMessage: RuntimeError: rank one broke"
+
+
 def test_sigkill_exit_137_adds_oom_hint(tmp_path):
     base = make_job(tmp_path, {"train.py": "import os, signal\nos.kill(os.getpid(), "
                                            "signal.SIGKILL)\n"}, {})

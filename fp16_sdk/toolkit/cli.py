@@ -44,6 +44,9 @@ _WORKER_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
 # "ValueError: ..." as Python prints it last in a traceback; torchrun's own ChildFailedError
 # only says that a worker failed, so the worker's exception is preferred.
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(?:Error|Exception|Interrupt)(?::|$)")
+# torch prefixes a worker's uncaught traceback with "[rankN]: " once its process group exists
+# (every smp job), and torchrun's --tee with "[defaultN]:"; the exception line follows it.
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 
 
 def _say(message: str) -> None:
@@ -60,8 +63,9 @@ def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str]
     shows an exception (SageMaker shows only the first 1024 characters as FailureReason), an
     out-of-memory hint for SIGKILL, then the stderr tail."""
     lines = [f"ExitCode {exit_code}", f"Command: {_display(argv)}"]
-    error = next((ln.strip() for ln in reversed(stderr_tail)
-                  if _EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln), None)
+    unprefixed = (_RANK_PREFIX.sub("", ln.strip()).strip() for ln in reversed(stderr_tail))
+    error = next((ln for ln in unprefixed
+                  if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln), None)
     if error:
         lines.append(f"ErrorMessage: {error}")
     if exit_code == 137 or any(_WORKER_SIGKILL.search(ln) for ln in stderr_tail):
