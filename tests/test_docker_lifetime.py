@@ -215,6 +215,39 @@ def test_sigterm_ends_within_10_s_even_when_the_script_ignores_it(client, tmp_pa
 
 
 @pytest.mark.docker
+def test_stop_kills_a_script_ignoring_sigterm_from_inside_so_the_toolkit_writes_its_failure(
+        client, tmp_path):
+    """stop() gives the containers stop_timeout=6 s; the toolkit inside escalates to SIGKILL
+    on its script 2 s earlier (FP16_SDK_STOP_GRACE_S), so the toolkit, not the engine, ends the
+    container: its failure file names the script's SIGKILL. With the toolkit's own default
+    grace (30 s) the engine would kill the toolkit first and no failure file would exist."""
+    script = ("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "open(os.path.join(os.environ['SM_MODEL_DIR'], 'started'), 'w').close()\n"
+              "time.sleep(3600)\n")
+    name = f"life-{uuid.uuid4().hex[:10]}"
+    est = _estimator(tmp_path, script, instance_count=1,
+                     backend_options={"stop_timeout": 6, "keep_job_dir": True})
+    try:
+        est.fit(wait=False, logs=False, job_name=name)
+        job = est.latest_training_job
+        host = tmp_path / "out" / name / "hosts" / "algo-1"
+        deadline = time.monotonic() + 120
+        while not (host / "model" / "started").exists():
+            assert time.monotonic() < deadline and job.status.value == "InProgress"
+            time.sleep(0.2)
+        start = time.monotonic()
+        job.stop()
+        took = time.monotonic() - start
+    finally:
+        _remove_labelled(client, name)
+    assert job.status.value == "Stopped"
+    failure = host / "output" / "failure"
+    assert failure.exists(), f"no failure file after {took:.1f}s: the engine killed the toolkit"
+    assert failure.read_text().startswith("ExitCode 137\n"), failure.read_text()
+    assert took >= 3.5, took  # the script had the toolkit's 4 s of grace
+
+
+@pytest.mark.docker
 def test_the_watchdog_exits_when_the_job_ends_normally(client, tmp_path):
     est = _estimator(tmp_path, "print('hello')\n", instance_count=1)
     est.fit(logs=False, job_name=f"life-{uuid.uuid4().hex[:10]}")

@@ -58,7 +58,8 @@ OPTIONS = {
     "pass_aws_credentials": "True: pass this machine's AWS credentials into the containers as "
                             "environment variables (default False: local jobs get none)",
     "keep_job_dir": "True: keep <output_path>/<job>/hosts after the job (default False)",
-    "stop_timeout": "seconds between SIGTERM and SIGKILL when containers are stopped (default 10)",
+    "stop_timeout": "seconds between SIGTERM and SIGKILL when containers are stopped (default "
+                    "10); the toolkit inside sends its own SIGKILL to the script 2 s before",
 }
 _SIZE = re.compile(r"^(\d+)([bkmg]?)$", re.IGNORECASE)
 
@@ -153,6 +154,12 @@ def _count_gpus() -> int | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def toolkit_grace_s(stop_timeout: int) -> float:
+    """The toolkit's SIGTERM -> SIGKILL grace inside a container the engine stops with
+    `stop_timeout`: 2 s short of it (half of it when shorter), room for the toolkit to end."""
+    return float(max(stop_timeout / 2, stop_timeout - 2))
 
 
 def _aws_environment(region: str | None) -> dict[str, str]:
@@ -311,6 +318,9 @@ class LocalDockerBackend(Backend):
                # finished drops out of DNS, so that wait could block the slower hosts.
                contract.HOST_ADDRESSES_VAR: json.dumps({h: h for h in spec.hosts})}
         env.update(spec.environment)
+        # The toolkit inside escalates SIGTERM -> SIGKILL on its own tree before the engine
+        # kills the container, so it still stops its workers and writes its failure file.
+        env[contract.STOP_GRACE_VAR] = str(toolkit_grace_s(options.stop_timeout))
         if options.pass_aws_credentials:
             region = json.loads(spec.hyperparameters.get("sagemaker_region", "null"))
             env.update(_aws_environment(region))
