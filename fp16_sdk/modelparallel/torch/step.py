@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpointing import apply_pending_resume
+from .checkpoint import apply_pending_resume
 from .errors import StepError
 from .state import state
 

@@ -25,7 +25,7 @@ while `newest` still names the previous checkpoint, which loads as before.
 
 Re-saving a tag that exists never writes into its folder (it may be the one `newest`
 names): the save goes to `.<tag>_partial.new` and is swapped in after its manifest
-(checkpoint_files.begin_save / commit_save). Every file a rank loads, its RNG state
+(files.begin_save / commit_save). Every file a rank loads, its RNG state
 included, is checked against the manifest's sha256, and loaded with weights_only=True.
 
 Test hook: `FP16_SDK_CKPT_TEST_PAUSE_AFTER=<glob>` makes a rank sleep after it renamed a file
@@ -47,10 +47,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_files as files
-from .checkpoint_files import MANIFEST, NEWEST, PLAN, IncompleteCheckpointError
-from .errors import CheckpointError
-from .state import state
+from ..errors import CheckpointError
+from ..state import state
+from . import files
+from .files import MANIFEST, NEWEST, PLAN, IncompleteCheckpointError
 
 __all__ = ["save_checkpoint", "resume_from_checkpoint", "apply_pending_resume",
            "IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST"]
@@ -161,8 +161,8 @@ def _agree(problem) -> None:
 
 
 def _check_objects(path, tag, model, optimizer) -> None:
-    from .model import DistributedModel
-    from .optimizer import DistributedOptimizer
+    from ..model import DistributedModel
+    from ..optimizer import DistributedOptimizer
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint path must be a folder name (str), got "
                               f"{type(path).__name__}; pass e.g. '/opt/ml/checkpoints'")
