@@ -396,7 +396,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sd = sd["mp_rank_states"][state.topology.mp_rank(state.rank)]
         if _shard_optimizer_state():
             from .sharded_optimizer import check_layout, reshard_state
-            if "_smp_reshard" in sd:  # every saved rdp rank's state (checkpoint/resume.py)
+            if "_smp_reshard" in sd:  # every saved rdp rank's state (checkpointing.py)
                 sd = reshard_state(sd["_smp_reshard"], self._masters)
             check_layout(sd, self._masters)
         inner = sd.get("optimizer_state_dict", sd)
