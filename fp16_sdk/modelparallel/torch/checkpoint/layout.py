@@ -50,7 +50,7 @@ def rank_files(rank: int, *, model: bool, optimizer, fp16: bool) -> list[str]:
 
 
 def optimizer_is_half(optimizer) -> bool:
-    return optimizer is not None and bool(getattr(optimizer, "mixed_precision", False))
+    return optimizer is not None and optimizer.mixed_precision
 
 
 def rng_state() -> dict:
@@ -86,6 +86,5 @@ def split_optimizer_state(optimizer) -> tuple[dict, dict]:
 
 def config_record() -> dict:
     topo = state.topology
-    cfg = state.cfg.model_dump() if hasattr(state.cfg, "model_dump") else dict(vars(state.cfg))
     return {"pp": topo.pp, "tp": topo.tp, "rdp": topo.rdp, "world_size": topo.world_size,
-            "placement": topo.placement, "config": cfg}
+            "placement": topo.placement, "config": state.cfg.model_dump()}

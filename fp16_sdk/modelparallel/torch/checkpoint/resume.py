@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import CheckpointError
 from ..state import state
@@ -19,7 +21,12 @@ from .collective import agree
 from .files import NEWEST
 from .layout import coords, set_rng_state, sharded
 
-__all__ = ["resume_from_checkpoint", "apply_pending_resume"]
+if TYPE_CHECKING:
+    from ..model import DistributedModel
+    from ..optimizer import DistributedOptimizer
+    from ..topology import Topology
+
+__all__ = ["resume_from_checkpoint", "apply_pending_resume", "PendingResume"]
 
 log = logging.getLogger("smp.checkpoint")
 
@@ -173,18 +180,26 @@ def _read_partial(folder: str, records, load_optimizer: bool, saved_rdp: int) ->
     return pending
 
 
-class _PendingResume:
-    """A resume called before the DistributedModel existed; `topology` tells which smp.init
-    it belongs to (a later init in the same process must not apply it)."""
+@dataclass(frozen=True)
+class PendingResume:
+    """A resume called before the DistributedModel existed (`state.pending_resume`).
 
-    def __init__(self, apply, rng):
-        self.topology, self.apply, self.rng = state.topology, apply, rng
+    Attributes:
+        topology: the Topology of the smp.init it belongs to (a later init in the same process
+            must not apply it).
+        apply: `apply(model, optimizer)`, run after partitioning.
+        rng: the RNG states to restore first (None: not restored).
+    """
+
+    topology: Topology
+    apply: Callable[[DistributedModel, DistributedOptimizer | None], None]
+    rng: dict | None
 
 
 def apply_pending_resume() -> None:
     """Apply a resume that waited for the model (smp.step calls it before every step;
     nothing to do unless resume_from_checkpoint ran before smp.DistributedModel)."""
-    pending = getattr(state, "pending_resume", None)
+    pending = state.pending_resume
     if pending is None or state.model is None:
         return
     state.pending_resume = None
@@ -199,10 +214,10 @@ def _apply_when_partitioned(apply, *, rng: dict | None = None) -> None:
     in `state.pending_resume` for the first step (apply_pending_resume)."""
     model = state.model
     if model is None:
-        if getattr(state, "pending_resume", None) is not None and state.rank == 0:
+        if state.pending_resume is not None and state.rank == 0:
             log.warning("smp.resume_from_checkpoint called twice before the DistributedModel "
                         "exists; only the second load will be applied")
-        state.pending_resume = _PendingResume(apply, rng)
+        state.pending_resume = PendingResume(state.topology, apply, rng)
         return
     if rng is not None:
         set_rng_state(rng)
