@@ -221,7 +221,7 @@ def _apply_when_partitioned(apply, *, rng: dict | None = None) -> None:
         return
     if rng is not None:
         set_rng_state(rng)
-    if getattr(model, "_hooks_ran", False):
+    if model.post_partition_hooks_ran:
         apply(model, state.optimizer)
         return
     handle = None
