@@ -11,35 +11,8 @@ from torch import nn
 
 import smdistributed.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch import activation_checkpointing as ac
+from helpers.ac_nets import H, Block, Net
 from helpers.mp import run_ranks
-
-H = 6
-
-
-class Block(nn.Module):
-    calls = 0
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(H, H)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x):
-        from fp16_sdk.modelparallel.torch import is_tracing
-        if not is_tracing():  # the pipeline's first-step trace runs every block once more
-            Block.calls += 1
-        return x + self.drop(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, n=4):
-        super().__init__()
-        self.inp = nn.Linear(H, H)
-        self.layers = nn.Sequential(*(Block() for _ in range(n)))
-        self.out = nn.Linear(H, 1)
-
-    def forward(self, x):
-        return self.out(self.layers(self.inp(x)))
 
 
 def _grads(model, x, seed=0):
@@ -111,7 +84,6 @@ def test_bad_strategies_are_refused():
 def _train_once(rank, world, strategy, before_wrap, pp):
     import torch
     import smdistributed.modelparallel.torch as smp
-    from test_activation_checkpointing import Block, Net
     smp.init({"pipeline_parallel_degree": pp, "microbatches": 2})
     torch.manual_seed(0)
     net = Net(4)

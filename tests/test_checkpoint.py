@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp16_sdk.modelparallel.torch import checkpoint_files as cf
+from fp16_sdk.modelparallel.torch.checkpoint import files as cf
 from helpers.mp import free_port, run_ranks
 from helpers.procs import kill_all, wait_gone, with_env
 
@@ -142,7 +142,7 @@ def _resume_probe(rank, world, ckpt_dir, tag):
     sys.path.insert(0, str(SCRIPT.parent))
     import ckpt_train
     import smdistributed.modelparallel.torch as smp
-    from fp16_sdk.modelparallel.torch import checkpointing
+    from fp16_sdk.modelparallel.torch import checkpoint
     smp.init()
     torch.manual_seed(7)
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=torch.float16):
@@ -150,8 +150,8 @@ def _resume_probe(rank, world, ckpt_dir, tag):
     model = smp.DistributedModel(model)
     smp.DistributedOptimizer(torch.optim.AdamW(model.parameters()), dynamic_loss_scale=True)
     try:
-        user = checkpointing.resume_from_checkpoint(ckpt_dir, tag=tag)
-    except checkpointing.CheckpointError as exc:
+        user = checkpoint.resume_from_checkpoint(ckpt_dir, tag=tag)
+    except smp.CheckpointError as exc:
         return type(exc).__name__, str(exc)
     return "ok", user["step"]
 

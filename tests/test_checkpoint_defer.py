@@ -62,7 +62,7 @@ def _job(rank, world, ckpt, mode):
         start = out["user"]["step"]
     elif mode == "full":
         out["user"] = smp.resume_from_checkpoint(ckpt, tag="full", partial=False)
-    out["pending"] = getattr(state, "pending_resume", None) is not None
+    out["pending"] = state.pending_resume is not None
     torch.manual_seed(7 if mode == "straight" else 8)  # resumed jobs start from other weights
     model = smp.DistributedModel(DropLM())
     opt = None if mode == "no_optimizer" else smp.DistributedOptimizer(
@@ -89,7 +89,7 @@ def _job(rank, world, ckpt, mode):
         opt.zero_grad(set_to_none=True)
         out["losses"].append(train(model, *_batch(step)).reduce_mean().item())
         opt.step()
-        out["pending_after_step"] = getattr(state, "pending_resume", None) is not None
+        out["pending_after_step"] = state.pending_resume is not None
         if mode == "straight" and step + 1 == SAVE_AT:
             smp.save_checkpoint(ckpt, tag=f"step{SAVE_AT}", model=model, optimizer=opt,
                                 user_content={"step": SAVE_AT})

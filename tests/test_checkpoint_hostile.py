@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fp16_sdk.modelparallel.torch.checkpoint_files import MANIFEST, PAUSE_ENV
+from fp16_sdk.modelparallel.torch.checkpoint.files import MANIFEST, PAUSE_ENV
 from helpers.mp import free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers.mp import run_ranks
-from test_pipeline_models import MB, _data, _gpt2, _loss
+from helpers.pipeline_data import MB, loss_of, make_batch, tiny_gpt2
 
 pytest.importorskip("transformers", reason="the test extras pin transformers")
 
@@ -45,12 +45,12 @@ def _reference(kind):
     """Per-step microbatch losses of plain GPT-2 trained single-process (smp averages the
     microbatches' gradients)."""
     torch.manual_seed(0)
-    model = _gpt2()
+    model = tiny_gpt2()
     opt = _optimizer(kind, model.parameters())
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        data = _data("gpt2", step)
+        data = make_batch("gpt2", step)
         row = []
         for ids, labels in zip(data["input_ids"].chunk(MB), data["labels"].chunk(MB)):
             loss = model(input_ids=ids, labels=labels).loss
@@ -68,7 +68,7 @@ def _job(rank, world, layout, kind, folder, resume):
     torch.set_num_threads(1)
     smp.init({**LAYOUTS[layout][1], "microbatches": MB, "ddp": True})
     torch.manual_seed(1 if resume else 0)  # a resumed job's own init must not matter
-    model = smp.DistributedModel(_gpt2())
+    model = smp.DistributedModel(tiny_gpt2())
     optimizer = smp.DistributedOptimizer(_optimizer(kind, model.parameters()))
     first = 0
     if resume in ("full", "partial"):
@@ -82,14 +82,14 @@ def _job(rank, world, layout, kind, folder, resume):
 
     @smp.step
     def train(model, inputs):
-        loss = _loss(model(**inputs))
+        loss = loss_of(model(**inputs))
         model.backward(loss)
         return loss
 
     losses = []
     for step in range(first, STEPS):
         optimizer.zero_grad(set_to_none=True)
-        data = _data("gpt2", step)
+        data = make_batch("gpt2", step)
         if smp.pp_rank() != 0:  # inputs only on pipeline rank 0
             data = {k: None for k in data}
         losses.append([float(x) for x in train(model, data).outputs])

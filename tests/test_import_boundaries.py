@@ -87,3 +87,36 @@ def test_contract_is_standard_library_only():
     after = set(_loaded_after("import fp16_sdk.contract"))
     extra = sorted(after - before - set(sys.stdlib_module_names))
     assert extra == [], extra
+
+
+# Test modules that still import another one; the optimizer's helper (issue 16) is moving what
+# they share into tests/helpers/. An entry that no longer imports fails below, so the list
+# only shrinks.
+_STILL_SHARED_BY_IMPORT = {("test_sharded_optimizer", "test_fp16_optimizer"),
+                           ("test_sharded_data_parallel", "test_fp16_optimizer")}
+
+
+def _test_module_imports(path: Path) -> set[str]:
+    """Names of test modules (`test_*`) that the file at `path` imports, at any depth."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [])
+        for name in names:
+            last = name.split(".")[-1] if name.startswith("tests.") else name.split(".")[0]
+            if last.startswith("test_"):
+                found.add(last)
+    return found
+
+
+def test_no_test_module_imports_another():
+    # What tests share lives in tests/helpers/ (one module per concern), never in a test
+    # module: importing one runs its module body and couples two files' private names.
+    tests = REPO / "tests"
+    pairs = {(f.stem, imported) for f in sorted(tests.rglob("*.py"))
+             for imported in _test_module_imports(f)}
+    assert pairs - _STILL_SHARED_BY_IMPORT == set(), sorted(pairs - _STILL_SHARED_BY_IMPORT)
+    stale = _STILL_SHARED_BY_IMPORT - pairs
+    assert not stale, f"{sorted(stale)} no longer import: remove them from _STILL_SHARED_BY_IMPORT"

@@ -9,66 +9,32 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.modelparallel.torch.pipeline.engine import PipelineEngine, PipelineSettings
 from fp16_sdk.modelparallel.torch.pipeline.partition import (auto_partition, balance,
                                                              manual_partition)
 from helpers.ports import free_port
+from helpers.tiny_lm import VOCAB, TinyLM
 
-VOCAB, HIDDEN, SEQ, BATCH, MB = 11, 8, 3, 8, 4
-
-
-class Block(nn.Module):
-    def __init__(self, delay=0.0):
-        super().__init__()
-        self.fc = nn.Linear(HIDDEN, HIDDEN)
-        self.delay = delay
-
-    def forward(self, x):
-        if self.delay:
-            x = _Sleep.apply(x, self.delay)
-        return x + torch.tanh(self.fc(x))
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        time.sleep(seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-class TinyLM(nn.Module):
-    """Embedding -> blocks -> norm -> head tied to the embedding."""
-
-    def __init__(self, layers=4, delay=0.0):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block(delay) for _ in range(layers))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, ids):
-        x = self.wte(ids)              # (mb, seq, hidden)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))  # (mb, seq, vocab)
+SEQ, BATCH, MB = 3, 8, 4
 
 
 class _Holder:
-    """The two attributes of a DistributedModel the engine uses."""
+    """A PipelineHost (pipeline/host.py) around a plain module: no reducer, so the engine
+    finishes each step itself."""
+
+    finishes_pipeline_steps = False
 
     def __init__(self, module):
         self.module = module
-        self._forward_module = module
+        self.forward_module = module
+
+    def on_partitioned(self) -> None:
+        pass  # nothing to set up: no data parallelism, no optimizer state
+
+    def prepare_grad_sync(self, microbatch: int) -> None:
+        pass  # no reducer to arm
 
 
 def _batches(steps):

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers.mp import run_ranks
+from helpers.tiny_lm import VOCAB, TinyLM
 
 MB, BATCH, SEQ, LR = 4, 8, 3, 0.5
 
 
 def _batch(step):
-    from test_pipeline_engine import VOCAB
     g = torch.Generator().manual_seed(40 + step)
     return tuple(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
 
@@ -42,7 +42,6 @@ def _message(fn) -> str | None:
 
 def _eval_case(rank, world, schedule):
     import smdistributed.modelparallel.torch as smp
-    from test_pipeline_engine import TinyLM
     torch.set_num_threads(1)
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MB, "pipeline": schedule})
     torch.manual_seed(3)
@@ -94,7 +93,7 @@ def _eval_case(rank, world, schedule):
     evals["eval_mode"] = evaluate(model, ids, target)
     model.train()
     evals["probe"] = (probe(model, ids), None)
-    report["forward_only"] = model._pipeline.last_step_forward_only
+    report["forward_only"] = model.pipeline.last_step_forward_only
     report["eval_err"] = {}
     for kind, (logits, losses) in evals.items():
         got = logits.concat()
@@ -167,11 +166,11 @@ def _tp_case(rank, world):
     """pp=2 x tp=2: DistributedTransformerLMHead (LM head tied across the stages)."""
     import smdistributed.modelparallel.torch as smp
     from fp16_sdk.modelparallel.torch import nn as snn
-    from test_pipeline_tp import LM, _batch as lm_batch, _reference_step, _rows
-    import test_pipeline_tp
+    from helpers import lm_head
+    from helpers.lm_head import LM, lm_batch, reference_step, rows
     torch.set_num_threads(1)
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
-              "microbatches": test_pipeline_tp.MB, "pipeline": "interleaved"})
+              "microbatches": lm_head.MB, "pipeline": "interleaved"})
     torch.manual_seed(0)
     ref = snn.DistributedTransformerLMHead(**LM, tp_context=snn.TPContext())
     torch.manual_seed(0)
@@ -179,7 +178,7 @@ def _tp_case(rank, world):
         model = smp.DistributedModel(snn.DistributedTransformerLMHead(**LM))
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    per = test_pipeline_tp.BATCH // smp.dp_size()
+    per = lm_head.BATCH // smp.dp_size()
     rows_of_rank = [slice(d * per, (d + 1) * per) for d in range(smp.dp_size())]
 
     @smp.step
@@ -195,16 +194,16 @@ def _tp_case(rank, world):
 
     def train_and_compare(step):
         ids = lm_batch(step)
-        want = _reference_step(ref, ids, rows_of_rank)[smp.dp_rank()]
+        want = reference_step(ref, ids, rows_of_rank)[smp.dp_rank()]
         opt.zero_grad(set_to_none=True)
-        got = [float(x) for x in train(model, ids[_rows(smp)]).outputs]
+        got = [float(x) for x in train(model, ids[rows(smp)]).outputs]
         opt.step()
         ref_opt.step()
         return max(abs(a - b) for a, b in zip(got, want))
 
     report = {"train_err": [train_and_compare(0)]}
     grads = _grads(model)
-    ids = lm_batch(1)[_rows(smp)]
+    ids = lm_batch(1)[rows(smp)]
     with torch.no_grad():
         out = ref((ids, None, None, None, None))
         want = out[0] if isinstance(out, (tuple, list)) else out

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers.mp import run_ranks
+from helpers.pipeline_data import MB, loss_of, make_batch, tiny_gpt2
 
-MB, BATCH = 2, 4
 
 
 class _MLP(nn.Module):
@@ -94,37 +94,14 @@ class ReusedNet(nn.Module):
         return self.a(self.b(self.a(x))).sum()
 
 
-def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=40, n_positions=16, n_embd=8, n_layer=4, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg)
-
-
-def _data(kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "gpt2":
-        ids = torch.randint(0, 40, (BATCH, 6), generator=g)
-        return {"input_ids": ids, "labels": ids}
-    if kind == "mnist":
-        return {"x": torch.randn(BATCH, 1, 12, 12, generator=g),
-                "target": torch.randint(0, 10, (BATCH,), generator=g)}
-    out = 4 if kind == "residual_tp" else 3
-    return {"x": torch.randn(BATCH, 5, generator=g), "target": torch.randn(BATCH, out, generator=g)}
-
-
 def _residual_tp():
     """ResidualNet with sizes that split over tp=2 and a user layer (_Proj) as block2."""
     return ResidualNet(width=8, out=4, block2=_Proj)
 
 
 def _build(kind):
-    return {"gpt2": _gpt2, "mnist": MnistNet, "residual": ResidualNet,
+    return {"gpt2": tiny_gpt2, "mnist": MnistNet, "residual": ResidualNet,
             "residual_tp": _residual_tp}[kind]()
-
-
-def _loss(out):
-    return out.loss if hasattr(out, "loss") else out
 
 
 def _reference(kind, steps, lr, shards=1):
@@ -138,11 +115,11 @@ def _reference(kind, steps, lr, shards=1):
     losses, grads = [], []
     for step in range(steps):
         model.zero_grad()
-        data = _data(kind, step)
+        data = make_batch(kind, step)
         pieces = [v.chunk(shards * MB) for v in data.values()]
         step_losses = []
         for vals in zip(*pieces):
-            loss = _loss(model(**dict(zip(data, vals))))
+            loss = loss_of(model(**dict(zip(data, vals))))
             (loss / (shards * MB)).backward()
             step_losses.append(loss.item())
         losses.append(step_losses)
@@ -168,14 +145,14 @@ def _case(rank, world, kind, steps, lr, assignment):
 
     @smp.step
     def train(model, inputs):
-        loss = _loss(model(**inputs))
+        loss = loss_of(model(**inputs))
         model.backward(loss)
         return loss
 
     losses, grads = [], []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        data = _data(kind, step)
+        data = make_batch(kind, step)
         if smp.pp_rank() != 0:  # placeholders: None, then tensors of other shapes
             data = {k: (None if step == 0 else torch.zeros(2 * MB, 7)) for k in data}
         losses.append([float(x) for x in train(model, data).outputs])
@@ -347,14 +324,14 @@ def _case_tp(rank, world, kind, assignment, steps, lr, prescaled=True):
 
     @smp.step
     def train(model, inputs):
-        loss = _loss(model(**inputs))
+        loss = loss_of(model(**inputs))
         model.backward(loss)
         return loss
 
     losses, grads = [], []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        data = _data(kind, step)
+        data = make_batch(kind, step)
         if not prescaled:  # this data-parallel rank's shard
             data = {k: v.chunk(smp.dp_size())[smp.dp_rank()] for k, v in data.items()}
         if smp.pp_rank() != 0:  # inputs only on pipeline rank 0

@@ -13,37 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.lm_head import BATCH, LM, MB, lm_batch, reference_step, rows
 from helpers.mp import run_ranks
+from helpers.tiny_lm import VOCAB, TinyLM
 
-LM = dict(num_layers=4, num_attention_heads=4, attention_head_size=8, hidden_size=32,
-          intermediate_size=64, vocab_size=48, num_positions=8, causal_mask_size=8,
-          attention_dropout_prob=0.0, hidden_dropout_prob=0.0, pre_layernorm=True,
-          post_layernorm=True, use_normal_initialization=True)
-BATCH, SEQ, MB, STEPS, LR, MAX_NORM = 8, 8, 4, 3, 0.5, 0.5
+STEPS, LR, MAX_NORM = 3, 0.5, 0.5
 # fp16 (fp16 weights and activations, fp32 masters, dynamic loss scale) against the fp32
 # reference after 3 steps: measured max errors 1.1e-4 (loss, absolute), 1.2e-4 (clip norm,
 # relative), 4.4e-4 (weights, absolute); the bounds leave about 4x of margin.
 FP16_LOSS_TOL, FP16_WEIGHT_TOL, FP16_NORM_RTOL = 5e-4, 2e-3, 5e-4
-
-
-def _batch(step):
-    g = torch.Generator().manual_seed(50 + step)
-    return torch.randint(0, LM["vocab_size"], (BATCH, SEQ), generator=g)
-
-
-def _rows(smp):
-    """This rank's rows of the global batch (data sharded by dp_rank; prescaled_batch False)."""
-    per = BATCH // smp.dp_size()
-    return slice(smp.dp_rank() * per, (smp.dp_rank() + 1) * per)
-
-
-def _reference_step(ref, ids, rows_of_rank):
-    """Per-(rank, microbatch) losses, then the gradient of their mean (what smp averages)."""
-    ref.zero_grad()
-    pieces = [ids[rows].chunk(MB) for rows in rows_of_rank]
-    losses = [[ref((p, None, None, None, p))[0] for p in rank_pieces] for rank_pieces in pieces]
-    torch.stack([l for row in losses for l in row]).mean().backward()
-    return [[float(l.detach()) for l in row] for row in losses]
 
 
 def _local_full_grads(model):
@@ -89,15 +67,15 @@ def _lm_case(rank, world, schedule, fp16, placement="cluster"):
         model.backward(loss)
         return loss
 
-    assert model._pipeline is None  # partitioned at the first step, as smp does
+    assert model.pipeline is None  # partitioned at the first step, as smp does
     rows_of_rank = [slice(d * (BATCH // smp.dp_size()), (d + 1) * (BATCH // smp.dp_size()))
                     for d in range(smp.dp_size())]
     errors = {"loss": 0.0, "grad": 0.0, "norm": 0.0}
     for step in range(STEPS):
-        ids = _batch(step)
-        ref_losses = _reference_step(ref, ids, rows_of_rank)
+        ids = lm_batch(step)
+        ref_losses = reference_step(ref, ids, rows_of_rank)
         opt.zero_grad(set_to_none=True)
-        losses = [float(x) for x in train_step(model, ids[_rows(smp)]).outputs]
+        losses = [float(x) for x in train_step(model, ids[rows(smp)]).outputs]
         errors["loss"] = max(errors["loss"], max(
             abs(a - b) for a, b in zip(losses, ref_losses[smp.dp_rank()])))
         if not fp16:
@@ -110,7 +88,7 @@ def _lm_case(rank, world, schedule, fp16, placement="cluster"):
         opt.step()
         ref_opt.step()
         if step == 0:
-            engine = model._pipeline
+            engine = model.pipeline
             model.module._smp_stage_here = engine.stage
             held, own, total = _block_bytes(model.module, engine.partition.block_stage)
             report = {"stage": engine.stage, "held": held, "own": own, "total": total,
@@ -130,7 +108,7 @@ def _overflow_agreed(smp, model, opt, train_step, fp16):
     if not fp16:
         return None
     opt.zero_grad(set_to_none=True)
-    train_step(model, _batch(9)[_rows(smp)])
+    train_step(model, lm_batch(9)[rows(smp)])
     if smp.rank() == 3:
         next(model.local_parameters()).grad.view(-1)[0] = float("inf")
     scale = opt.loss_scale
@@ -169,7 +147,6 @@ def test_pp2_tp2_lm_head_fp16_within_tolerance_and_overflow_agreed():
 def _rdp_case(rank, world, placement):
     import torch.nn.functional as F
     import smdistributed.modelparallel.torch as smp
-    from test_pipeline_engine import TinyLM, VOCAB
     torch.set_num_threads(1)
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MB, "pipeline": "interleaved",
               "placement_strategy": placement})
@@ -192,11 +169,11 @@ def _rdp_case(rank, world, placement):
         ref_opt.zero_grad()
         F.cross_entropy(ref(ids).flatten(0, 1), target.flatten()).backward()  # equal pieces
         opt.zero_grad(set_to_none=True)
-        rows = _rows(smp)
-        losses = train_step(model, ids[rows], target[rows]).outputs
+        mine = rows(smp)
+        losses = train_step(model, ids[mine], target[mine]).outputs
         with torch.no_grad():
             want = [F.cross_entropy(ref(i).flatten(0, 1), t.flatten())
-                    for i, t in zip(ids[rows].chunk(MB), target[rows].chunk(MB))]
+                    for i, t in zip(ids[mine].chunk(MB), target[mine].chunk(MB))]
         err = max(err, max(abs(float(a) - float(b)) for a, b in zip(losses, want)))
         norm = opt.clip_master_grads(MAX_NORM)
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))

@@ -215,9 +215,14 @@ def class_members(cls: type) -> list[str]:
     out = []
     for attr, text in ATTRIBUTES.get(cls.__name__, []):
         out.append(f"  - `.{attr}`: {text}")
-    for attr, value in vars(cls).items():
-        if attr.startswith("_"):
+    seen: set[str] = set()
+    # The class's own members, then those of its bases defined in fp16_sdk (DistributedModel's
+    # local views and state dicts live in base classes of their own modules).
+    own = [c for c in cls.__mro__ if c.__module__.startswith("fp16_sdk.")]
+    for attr, value in ((a, v) for c in own for a, v in vars(c).items()):
+        if attr.startswith("_") or attr in seen:
             continue
+        seen.add(attr)
         if isinstance(value, property):
             out.append(f"  - `.{attr}` (property): {method_line(cls, attr, value.fget)}")
         elif callable(value):

@@ -11,4 +11,12 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
 - `tp_checks`: `assert_close` and `full_grads` (gathered to the unsplit layout) for TP tests.
 - `toolkit_jobs`: a fake /opt/ml tree with packed code (`make_job`) and the toolkit's
   environment (`toolkit_env`) / a run of the real toolkit (`run_toolkit`).
+- `tiny_lm`: `TinyLM` (embedding, residual blocks, tied head) for the pipeline tests.
+- `lm_head`: smp.nn's DistributedTransformerLMHead at CPU size (`LM`), its batches, this
+  rank's rows and the single-process reference step, for the pp x tp tests.
+- `pipeline_data`: a tiny Hugging Face GPT-2 (`tiny_gpt2`) and the pp=2 tests' batches.
+- `ac_nets`: the activation-checkpointing tests' `Net` of `Block`s (`Block.calls` counts).
+
+No test module imports another (tests/test_import_boundaries.py checks it): what two test
+files share lives here.
 """

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import smdistributed.modelparallel.torch as smp
-from fp16_sdk.modelparallel.torch.checkpoint_files import PAUSE_ENV
+from fp16_sdk.modelparallel.torch.checkpoint.files import PAUSE_ENV
 
 SIZES = dict(num_layers=1, num_attention_heads=2, attention_head_size=4, hidden_size=8,
              intermediate_size=16, vocab_size=32, num_positions=4, causal_mask_size=4,

@@ -6,9 +6,8 @@ the wrapped model instance.
 """
 
 from . import amp, errors, model, nn, optimizers, utils  # noqa: F401  (smp.X are modules)
-from .checkpoint import load, save
-from .checkpoint_files import IncompleteCheckpointError
-from .checkpointing import resume_from_checkpoint, save_checkpoint
+from .checkpoint import (IncompleteCheckpointError, load, resume_from_checkpoint, save,
+                         save_checkpoint)
 from .comm import (CommGroup, RankType, allgather, barrier, broadcast, dp_barrier, mp_barrier,
                    recv_from, send)
 from .contexts import (delay_param_initialization, model_creation, partition,

@@ -198,7 +198,7 @@ def _stages(seq: nn.Sequential) -> list[int]:
     """Pipeline stage of each child: the partition's when seq is the block list, else 0s."""
     from .state import state
 
-    engine = getattr(state.model, "_pipeline", None) if state.model is not None else None
+    engine = state.model.pipeline if state.model is not None else None
     if engine is not None:
         part = engine.partition
         if engine.module.get_submodule(part.blocks_path) is seq:

@@ -93,7 +93,7 @@ def health_figures(opt) -> str:
              + (f" (1/{state.topology.rdp} sharded)" if state.cfg.shard_optimizer_state
                 or state.cfg.sharded_data_parallel_degree > 1 else "")]
     model = state.model
-    if model is not None and getattr(model, "_sdp", None) is not None:
+    if model is not None and model.shards_parameters:
         from .sharded_data_parallel import parameter_bytes
         here, full = parameter_bytes(model.module)
         parts.append(f"parameters {_mib(here)}/rank at rest of {_mib(full)}")

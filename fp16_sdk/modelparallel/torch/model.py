@@ -9,16 +9,18 @@ gradient reducer. Post-partition hooks and a pending load_state_dict run at the 
 With pp > 1, partitioning happens at the first `smp.step`, as smp does: the pipeline engine
 is built then (so `smp.partition` / `smp.set_partition` calls made before or after wrapping
 count), traces one forward on pipeline rank 0's inputs and frees other stages' tensors, and
-then calls `_on_partitioned()`: broadcast, reducer, the DistributedOptimizer's per-stage
+then calls `on_partitioned()`: broadcast, reducer, the DistributedOptimizer's per-stage
 state (its fp32 masters are built only now, from this stage's tensors; until then it steps
 nothing and its `param_groups` hold the whole model's parameters, so LR schedulers built
 before the first step work), post-partition hooks and pending loads, all before the first
 real forward. Other stages' parameters stay in `model.parameters()` as 0-element tensors.
 
-Size: about 460 lines, over the 400-line guideline, because this is smp v1's whole
-`DistributedModel` surface on one object (wrap, the first-step hand-off, state dicts,
-hooks); state-dict helpers already live in model_state.py. The seams between model,
-optimizer and pipeline engine are being reworked (issue 16), after which it splits further.
+smp v1's whole `DistributedModel` surface is one object; its parts live in their own modules:
+the local views and tensor-parallel queries (model_views.LocalViews), the state dicts
+(model_state.StateDicts), the broadcast and the reducer's groups (replicas.py). What the
+pipeline engine sees of it is pipeline/host.py's PipelineHost (`forward_module`,
+`on_partitioned`, `prepare_grad_sync`); smp.step drives it through `begin_step`,
+`run_pipeline`, `end_step` and `run_post_step_hooks`.
 """
 
 from __future__ import annotations
@@ -28,26 +30,25 @@ import logging
 import sys
 import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import model_state, sharded_data_parallel
+from . import replicas, sharded_data_parallel
 from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
 from .fp16.module import BF16Module, FP16Module
 from .nn.auto import distribute_tensor_parallel
+from .model_state import StateDicts
+from .model_views import LocalViews
 from .reducer import GradReducer, ReductionGroup
 from .state import state
 
+if TYPE_CHECKING:
+    from .pipeline.engine import PipelineEngine
+
 __all__ = ["DistributedModel"]
-
-
-def _is_scaled_batch(t) -> bool:
-    """Reduced/broadcast over RDP: TP shards and other parameters of distributed modules
-    (they see the TP group's batch, identical on its ranks); everything else over DP."""
-    return bool(getattr(t, "_smp_distributed", False) or getattr(t, "_smp_scaled_batch", False))
 
 
 def _fp16_wrapper(module: nn.Module) -> nn.Module:
@@ -57,22 +58,7 @@ def _fp16_wrapper(module: nn.Module) -> nn.Module:
     return FP16Module(module) if cfg.fp16 else BF16Module(module)
 
 
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
-    """Broadcast tensors from global rank `src`, one flat collective per dtype/device."""
-    by_kind: dict = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    with torch.no_grad():
-        for items in by_kind.values():
-            flat = torch.cat([t.reshape(-1) for t in items])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for t in items:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-class DistributedModel(nn.Module):
+class DistributedModel(LocalViews, StateDicts, nn.Module):
     """Wraps the training script's module; takes smp v1's arguments.
 
     One DistributedModel per process, as in smp. Wrapping the module that is already wrapped
@@ -148,7 +134,7 @@ class DistributedModel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view and not (
             state.cfg.fp16 or state.cfg.bf16)
         self.partitioned = False
-        self._pipeline = None
+        self._pipeline: PipelineEngine | None = None
         self._reducer: GradReducer | None = None
         self._post_partition_hooks: OrderedDict = OrderedDict()
         self._post_step_hooks: OrderedDict = OrderedDict()
@@ -156,14 +142,12 @@ class DistributedModel(nn.Module):
         self._pending_load = None
         self._sdp: dict | None = None     # sharded data parallelism: shard_model's figures
         self._backward_steps = 0          # steps that ran a backward
-        if self._reducer is not None and self._reducer.armed:
-            self._reducer.reset()  # the previous step raised mid-backward
         self._backwards_in_step = 0
         self._sync_this_step = False
         state.model = self
-        if not self._pipeline_enabled:
+        if not self.pipelined:
             self.module.to(state.device)
-            self._on_partitioned()
+            self.on_partitioned()
 
     def _wraps(self, module: nn.Module) -> bool:
         return module is self.module or module is self._wrapped_input()
@@ -176,20 +160,46 @@ class DistributedModel(nn.Module):
             raise SMPError(f"smp.DistributedModel: this module is already wrapped with other "
                            f"arguments ({detail}); wrap it once, or pass the same arguments")
 
-    # ---- partitioning, broadcast, reducer -----------------------------------------------------
+    # ---- what the pipeline engine, smp.step and checkpoints see (pipeline/host.py) ----------
+    finishes_pipeline_steps = True  # smp.step ends each step (end_step): PipelineHost
+
     @property
-    def _pipeline_enabled(self) -> bool:
+    def pipelined(self) -> bool:
+        """pipeline_parallel_degree > 1: the model runs through a PipelineEngine."""
         return state.topology.pp > 1
+
+    @property
+    def pipeline(self) -> PipelineEngine | None:
+        """The PipelineEngine (pp > 1, built at the first step), else None."""
+        return self._pipeline
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """What a forward runs: the FP16/BF16 wrapper around the module, or the module."""
+        return self._forward_module
+
+    @property
+    def post_partition_hooks_ran(self) -> bool:
+        """The post-partition hooks (and a pending load_state_dict) have run: the model is
+        partitioned and its first step has begun; a hook registered now would never run."""
+        return self._hooks_ran
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Sharded data parallelism sharded this model's parameters (torch FSDP2)."""
+        return self._sdp is not None
+
+    # ---- partitioning, broadcast, reducer -----------------------------------------------------
 
     def _build_pipeline(self) -> None:
         """pp > 1, first step: the engine decides the partition now (module docstring)."""
         from .pipeline.engine import PipelineEngine
         self._pipeline = PipelineEngine(self)
 
-    def _on_partitioned(self) -> None:
+    def on_partitioned(self) -> None:
         """The local part is final: broadcast it over DP, build the reducer and the
         optimizer's per-stage state; with pp > 1 (called by the engine inside the first step)
-        also run the post-partition hooks."""
+        also run the post-partition hooks. Called once, by the runtime, never by scripts."""
         self._broadcast_state(params=True)
         if sharded_data_parallel.enabled() and self._sdp is None:  # after the broadcast
             self._sdp = sharded_data_parallel.shard_model(self.module)
@@ -201,7 +211,7 @@ class DistributedModel(nn.Module):
         optimizer = state.optimizer
         if optimizer is not None:
             optimizer._build_stage_state()
-        if self._pipeline_enabled:
+        if self.pipelined:
             self._run_partition_hooks()
 
     def _broadcast_state(self, *, params: bool) -> None:
@@ -211,25 +221,18 @@ class DistributedModel(nn.Module):
             return  # one replica: nothing to make equal (and no module walk every step)
         tensors = [t for _, t in (self.local_named_parameters() if params else ())]
         tensors += [t for _, t in self.local_named_buffers()]
-        for distributed, kind in ((False, "dp"), (True, "rdp")):
-            chosen = [t for t in tensors if _is_scaled_batch(t) is distributed]
-            if chosen and topo.size(kind) > 1:
-                src = topo.group(kind, state.rank)[0]
-                _broadcast_coalesced(chosen, src, state.groups.get(kind))
+        replicas.broadcast_replicas(tensors)
+
+    def _reducer_options(self) -> dict:
+        return dict(bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlapping_allreduce,
+                    gradient_as_bucket_view=self.gradient_as_bucket_view)
 
     def _build_reducer(self) -> GradReducer:
-        topo, cfg = state.topology, state.cfg
-        mb_div = cfg.microbatches if self.average_grads_across_microbatches else 1
-        params = [p for _, p in self.local_named_parameters()
-                  if p.requires_grad and not sharded_data_parallel.is_sharded(p)]  # FSDP's own
-        replicated = [p for p in params if not _is_scaled_batch(p)]
-        distributed = [p for p in params if _is_scaled_batch(p)]
-        rdp_div = topo.rdp if cfg.prescaled_batch else topo.dp  # derivation: reducer.py
-        groups = [ReductionGroup("dp", replicated, state.groups.dp, topo.dp, mb_div * topo.dp),
-                  ReductionGroup("rdp", distributed, state.groups.rdp, topo.rdp, mb_div * rdp_div)]
-        return GradReducer([g for g in groups if g.params], bucket_cap_mb=self.bucket_cap_mb,
-                           overlap=self.overlapping_allreduce,
-                           gradient_as_bucket_view=self.gradient_as_bucket_view)
+        params = [p for p in self.local_parameters()
+                  if not sharded_data_parallel.is_sharded(p)]  # FSDP reduces its own
+        return replicas.build_reducer(
+            params, average_over_microbatches=self.average_grads_across_microbatches,
+            **self._reducer_options())
 
     def _release_from_reducer(self, params) -> dict[int, ReductionGroup]:
         """Stop reducing `params` (shard_optimizer_state reduce-scatters them itself).
@@ -237,19 +240,10 @@ class DistributedModel(nn.Module):
         Returns:
             id(param) -> the ReductionGroup (process group, size, divisor) it was reduced in.
         """
-        ids = {id(p) for p in params}
-        groups = list({id(b.group): b.group for b in self._reducer.buckets}.values())
-        found = {id(p): g for g in groups for p in g.params if id(p) in ids}
-        kept = [ReductionGroup(g.name, [p for p in g.params if id(p) not in ids],
-                               g.process_group, g.size, g.divisor) for g in groups]
-        self._reducer.remove()
-        self._reducer = GradReducer([g for g in kept if g.params],
-                                    bucket_cap_mb=self.bucket_cap_mb,
-                                    overlap=self.overlapping_allreduce,
-                                    gradient_as_bucket_view=self.gradient_as_bucket_view)
+        self._reducer, found = replicas.release(self._reducer, params, **self._reducer_options())
         return found
 
-    # ---- step protocol (called by smp.step) -------------------------------------------------
+    # ---- step protocol (called by smp.step, never by scripts) ----------------------------------
     def _run_partition_hooks(self) -> None:
         self._hooks_ran = True
         for hook in list(self._post_partition_hooks.values()):
@@ -259,8 +253,10 @@ class DistributedModel(nn.Module):
             self._pending_load = None
             self._load(sd, strict=strict, same_partition_load=same)
 
-    def _pre_step(self) -> None:
-        if self._pipeline_enabled and self._pipeline is None:
+    def begin_step(self) -> None:
+        """Before a step's bodies run: partition (first step), run the post-partition hooks,
+        broadcast buffers, and decide whether this step synchronises gradients."""
+        if self.pipelined and self._pipeline is None:
             self._build_pipeline()  # the rest of partitioning runs inside the first step
         elif not self.partitioned:
             pass  # a first step that failed before the engine finished partitioning
@@ -273,10 +269,11 @@ class DistributedModel(nn.Module):
         self._backwards_in_step = 0
         self._sync_this_step = (self._backward_steps + 1) % self.backward_passes_per_step == 0
 
-    def _run_pipeline(self, body, mb_args: list) -> list:
+    def run_pipeline(self, body, mb_args: list) -> list:
+        """pp > 1: run the step's bodies through the engine (PipelineEngine.run_step)."""
         return self._pipeline.run_step(body, mb_args)
 
-    def _prepare_grad_sync(self, microbatch: int) -> None:
+    def prepare_grad_sync(self, microbatch: int) -> None:
         """Arm the reducer when `microbatch` is the step's last and the step synchronises.
 
         Called before each microbatch's backward (by `backward` with pp == 1, by the pipeline
@@ -286,15 +283,23 @@ class DistributedModel(nn.Module):
             last = microbatch == state.num_microbatches - 1
             self._reducer.arm(last and self._sync_this_step)
 
-    def _post_step(self) -> None:
+    def end_step(self) -> None:
+        """After a step's bodies: finish the gradient reduction, sum tied weights' gradients
+        over the pipeline, then raise the StepError of bodies that disagreed across stages.
+
+        Raises:
+            StepError: with pp > 1, bodies of this step disagreed with other stages'.
+        """
         if self._reducer is not None:
             self._reducer.finish()
         if self._pipeline is not None and self._sync_this_step:
             self._pipeline.finish_step()  # tied weights: sum the reduced grads over stages
         if self._backwards_in_step:
             self._backward_steps += 1
+        if self._pipeline is not None:  # now that the step's collectives are done
+            self._pipeline.raise_disagreement()
 
-    def _run_post_step_hooks(self) -> None:
+    def run_post_step_hooks(self) -> None:
         """Called by smp.step at the end of every step: the hooks waiting run, once each."""
         hooks = list(self._post_step_hooks.values())
         self._post_step_hooks.clear()
@@ -306,7 +311,7 @@ class DistributedModel(nn.Module):
         if not state.in_step:
             raise StepError("the DistributedModel was called outside an @smp.step function; "
                             "move model(...) and model.backward(...) into the step function")
-        if self._pipeline_enabled:
+        if self.pipelined:
             return self._pipeline.forward(*args, **kwargs)
         return self._forward_module(*args, **kwargs)
 
@@ -327,85 +332,17 @@ class DistributedModel(nn.Module):
             grad_tensors = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) \
                 else [grad_tensors]
         if state.cfg.fp16:
-            scale = float(getattr(state.optimizer, "loss_scale", 1.0) or 1.0)
+            scale = state.optimizer.loss_scale if state.optimizer is not None else 1.0
             if grad_tensors is None:
                 tensors = [t.float() * scale for t in tensors]
             else:
                 grad_tensors = [g * scale for g in grad_tensors]
         self._backwards_in_step += 1
-        if self._pipeline_enabled:
+        if self.pipelined:
             self._pipeline.backward(tensors, grad_tensors)
             return
-        self._prepare_grad_sync(state.microbatch)
+        self.prepare_grad_sync(state.microbatch)
         torch.autograd.backward(tensors, grad_tensors)
-
-    # ---- local views ----------------------------------------------------------------------------
-    def local_named_parameters(self):
-        return model_state.local_named_tensors(self.module, "parameters")
-
-    def local_parameters(self):
-        return (p for _, p in self.local_named_parameters())
-
-    def local_named_buffers(self):
-        return model_state.local_named_tensors(self.module, "buffers")
-
-    def local_buffers(self):
-        return (b for _, b in self.local_named_buffers())
-
-    def local_named_modules(self):
-        return model_state.local_named_modules(self.module)
-
-    def local_modules(self):
-        return (m for _, m in self.local_named_modules())
-
-    def get_module(self) -> nn.Module:
-        """The wrapped module (after TP replacement), without the FP16 wrapper."""
-        return self.module
-
-    # ---- state dicts -----------------------------------------------------------------------------
-    def local_state_dict(self) -> dict:
-        """This rank's entries plus `_smp_is_partial: True` (with sharded data parallelism
-        whole tensors, gathered: collective over the sharding group)."""
-        sd = model_state.local_state_dict(self.module)
-        if self._sdp is not None:  # shards gathered: a partition file holds whole tensors
-            sd = sharded_data_parallel.full_state_dict_values(sd)
-        return sd
-
-    def state_dict(self, *args, **kwargs) -> dict:
-        """The full model's state dict, keys as the plain module's (collective over MP)."""
-        if self._sdp is not None:  # collective over the sharding group too
-            sd = sharded_data_parallel.full_state_dict_values(self.module.state_dict())
-            return model_state.full_state_dict_from(self.module, sd)
-        return model_state.full_state_dict(self.module)
-
-    def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False,
-                        **kwargs):
-        """Load a full or partial (`_smp_is_partial`) state dict; deferred until after
-        partitioning (the first step) when pp > 1 (then returns None).
-
-        Returns:
-            torch's (missing_keys, unexpected_keys) result when loaded now.
-        """
-        if not self.partitioned:
-            self._pending_load = (dict(state_dict), strict, same_partition_load)
-            return None
-        return self._load(state_dict, strict=strict, same_partition_load=same_partition_load)
-
-    def _load(self, sd, *, strict: bool, same_partition_load: bool):
-        entries, expected = model_state.prepare_state_dict_for_load(
-            self.module, sd, same_partition_load=same_partition_load)
-        if self._sdp is not None:  # full tensors cut to this rank's chunks
-            entries = sharded_data_parallel.shard_state_dict_values(self.module, entries)
-        if state.topology.pp == 1:
-            return self.module.load_state_dict(entries, strict=strict)
-        local = {k: v for k, v in entries.items() if k in expected}
-        result = self.module.load_state_dict(local, strict=False)
-        missing = sorted(expected - set(local))
-        if strict and missing:
-            raise SMPError(f"load_state_dict(strict=True): missing local keys {missing[:10]}"
-                           f"{' ...' if len(missing) > 10 else ''}; pass strict=False to "
-                           f"skip them")
-        return result
 
     # ---- hooks ---------------------------------------------------------------------------------
     def register_post_partition_hook(self, hook) -> RemovableHandle:
@@ -428,37 +365,6 @@ class DistributedModel(nn.Module):
         handle = RemovableHandle(self._post_step_hooks)
         self._post_step_hooks[handle.id] = hook
         return handle
-
-    # ---- tensor-parallel queries --------------------------------------------------------------
-    def distributed_modules(self):
-        """The outermost tensor-parallel modules of the model."""
-        from .nn.auto import distributed_modules
-        return iter(distributed_modules(self.module))
-
-    def is_distributed_parameter(self, param) -> bool:
-        """A tensor-parallel shard (`_smp_distributed`)."""
-        return bool(getattr(param, "_smp_distributed", False))
-
-    def is_distributed_buffer(self, buf) -> bool:
-        return bool(getattr(buf, "_smp_distributed", False))
-
-    def is_scaled_batch_parameter(self, param) -> bool:
-        """Sees the whole TP group's batch: reduced over RDP (shards and the replicated
-        parameters of distributed modules)."""
-        return _is_scaled_batch(param)
-
-    def is_scaled_batch_buffer(self, buf) -> bool:
-        return _is_scaled_batch(buf)
-
-    def default_reducer_named_parameters(self):
-        """(name, param) reduced over the DP group."""
-        return ((n, p) for n, p in self.local_named_parameters()
-                if not self.is_scaled_batch_parameter(p))
-
-    def scaled_batch_reducer_named_parameters(self):
-        """(name, param) reduced over the RDP group."""
-        return ((n, p) for n, p in self.local_named_parameters()
-                if self.is_scaled_batch_parameter(p))
 
     # ---- misc -----------------------------------------------------------------------------------
     def cpu(self):

@@ -1,4 +1,5 @@
-"""State-dict plumbing of DistributedModel: local vs full, TP shards, PP stages.
+"""State-dict plumbing of DistributedModel: local vs full, TP shards, PP stages; `StateDicts`
+holds the model's state-dict methods built on it.
 
 Seams:
 - TP shards (smp.nn, nn/auto.py): `gather_full_state_dict` all-gathers them over the TP group,
@@ -17,11 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import sharded_data_parallel
+from .errors import SMPError
 from .state import state
 
 __all__ = ["named_modules_with_stage", "local_named_modules", "local_named_tensors",
            "full_state_dict", "full_state_dict_from", "prepare_state_dict_for_load", "local_state_dict",
-           "PARTIAL_KEY"]
+           "PARTIAL_KEY", "StateDicts"]
 
 PARTIAL_KEY = "_smp_is_partial"
 
@@ -141,3 +144,58 @@ def prepare_state_dict_for_load(root: nn.Module, sd: dict, *, same_partition_loa
         from .nn.auto import shard_full_state_dict
         sd = dict(shard_full_state_dict(root, sd))  # full tensors sliced, shards kept
     return sd, expected
+
+
+class StateDicts:
+    """DistributedModel's state-dict methods (a base class of it): local and full state
+    dicts, and loads deferred until partitioning. Reads `module`, `partitioned`,
+    `_sdp` (sharded data parallelism's figures) and `_pending_load` of the model."""
+
+    module: nn.Module
+    partitioned: bool
+    _sdp: dict | None
+    _pending_load: tuple | None
+
+    def local_state_dict(self) -> dict:
+        """This rank's entries plus `_smp_is_partial: True` (with sharded data parallelism
+        whole tensors, gathered: collective over the sharding group)."""
+        sd = local_state_dict(self.module)
+        if self._sdp is not None:  # shards gathered: a partition file holds whole tensors
+            sd = sharded_data_parallel.full_state_dict_values(sd)
+        return sd
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The full model's state dict, keys as the plain module's (collective over MP)."""
+        if self._sdp is not None:  # collective over the sharding group too
+            sd = sharded_data_parallel.full_state_dict_values(self.module.state_dict())
+            return full_state_dict_from(self.module, sd)
+        return full_state_dict(self.module)
+
+    def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False,
+                        **kwargs):
+        """Load a full or partial (`_smp_is_partial`) state dict; deferred until after
+        partitioning (the first step) when pp > 1 (then returns None).
+
+        Returns:
+            torch's (missing_keys, unexpected_keys) result when loaded now.
+        """
+        if not self.partitioned:
+            self._pending_load = (dict(state_dict), strict, same_partition_load)
+            return None
+        return self._load(state_dict, strict=strict, same_partition_load=same_partition_load)
+
+    def _load(self, sd, *, strict: bool, same_partition_load: bool):
+        entries, expected = prepare_state_dict_for_load(
+            self.module, sd, same_partition_load=same_partition_load)
+        if self._sdp is not None:  # full tensors cut to this rank's chunks
+            entries = sharded_data_parallel.shard_state_dict_values(self.module, entries)
+        if state.topology.pp == 1:
+            return self.module.load_state_dict(entries, strict=strict)
+        local = {k: v for k, v in entries.items() if k in expected}
+        result = self.module.load_state_dict(local, strict=False)
+        missing = sorted(expected - set(local))
+        if strict and missing:
+            raise SMPError(f"load_state_dict(strict=True): missing local keys {missing[:10]}"
+                           f"{' ...' if len(missing) > 10 else ''}; pass strict=False to "
+                           f"skip them")
+        return result

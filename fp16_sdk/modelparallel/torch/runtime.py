@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fp16_sdk.config import SMPParameters, parse_mp_parameters
 from fp16_sdk.errors import ConfigError
 
 from . import comm
@@ -67,8 +68,7 @@ def merge_config(env_value: str | None, config: dict | None) -> dict:
     return merged
 
 
-def _parse(merged: dict):
-    from fp16_sdk.config import parse_mp_parameters
+def _parse(merged: dict) -> SMPParameters:
     try:
         return parse_mp_parameters(merged)
     except SMPConfigError:
@@ -77,8 +77,8 @@ def _parse(merged: dict):
         raise SMPConfigError(str(exc), key=exc.key, value=exc.value) from exc
 
 
-def _backend(cfg) -> str:
-    choice = getattr(cfg, "ddp_dist_backend", "auto") or "auto"
+def _backend(cfg: SMPParameters) -> str:
+    choice = cfg.ddp_dist_backend
     if choice == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if choice == "nccl" and not torch.cuda.is_available():

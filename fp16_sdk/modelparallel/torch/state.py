@@ -1,11 +1,15 @@
 """The one global the smp API demands: what `smp.init()` set up, and what is running now.
 
-Fields (docs/internals.md "Runtime state"):
-- cfg: the `SMPParameters` (attribute access to every key of the config table).
+Fields (docs/internals.md "Runtime state"), typed on the dataclass below:
+- cfg: the validated `SMPParameters`; validation fills every key's default, so code reads
+  `state.cfg.<key>` directly (the defaults live in fp16_sdk/config.py only).
 - topology: the immutable `Topology`; groups: the `ProcessGroups` built once by comm.
-- device: this rank's torch.device; backend: "nccl" or "gloo".
+- device: this rank's torch.device; backend: "nccl" or "gloo"; owns_process_group: smp.init
+  started torch.distributed (rather than the script).
 - rank, local_rank, local_size: this process' place in the world and on its host.
 - model / optimizer: the one DistributedModel / DistributedOptimizer.
+- pending_resume: a `resume_from_checkpoint` made before the DistributedModel existed
+  (checkpoint/resume.py), applied at the first `smp.step`.
 - creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
   PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used;
   delayed_init_report: the parameter memory delayed initialization materialised.
@@ -13,7 +17,7 @@ Fields (docs/internals.md "Runtime state"):
   transformers' `save_pretrained` applies under smp (nn/huggingface registers one per model).
 - in_step, microbatch (index inside the running step, else None; per thread, because with
   pp > 1 the pipeline runs each microbatch's step body in a thread of its own),
-  num_microbatches, step_count (completed steps).
+  num_microbatches, step_count (completed steps); tracing: the pipeline's first-step trace runs.
 """
 
 from __future__ import annotations
@@ -21,9 +25,21 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from .errors import SMPNotInitializedError
+
+if TYPE_CHECKING:  # annotations only: state.py imports nothing of the runtime at run time
+    import torch
+
+    from fp16_sdk.config import SMPParameters
+
+    from .checkpoint.resume import PendingResume
+    from .comm import ProcessGroups
+    from .model import DistributedModel
+    from .optimizer import DistributedOptimizer
+    from .topology import Topology
 
 __all__ = ["state", "RuntimeState", "ModuleManager"]
 
@@ -44,36 +60,44 @@ class ModuleManager:
         self.translate_functions.append(functions)
 
 
+@dataclass(eq=False)
 class RuntimeState:
-    """Mutable runtime state; one instance, `state`."""
+    """Mutable runtime state; one instance, `state`. Fields are listed in the module docstring;
+    the setup fields are None until `smp.init()` fills them."""
 
-    def __init__(self):
-        self.reset()
+    initialized: bool = False
+    cfg: SMPParameters | None = None
+    topology: Topology | None = None
+    groups: ProcessGroups | None = None
+    device: torch.device | None = None
+    backend: str | None = None  # "nccl" or "gloo"
+    rank: int = 0
+    local_rank: int = 0
+    local_size: int = 1
+    owns_process_group: bool = False  # smp.init started torch.distributed (not the script)
+    model: DistributedModel | None = None
+    optimizer: DistributedOptimizer | None = None
+    module_manager: ModuleManager = field(default_factory=ModuleManager)
+    pending_resume: PendingResume | None = None  # resume_from_checkpoint before the model
+    creation: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    creation_dtype: torch.dtype | None = None
+    delayed_init_report: dict | None = None  # parameter bytes delayed init materialised
+    in_step: bool = False
+    tracing: bool = False  # the pipeline's first-step trace is running (pipeline/trace.py)
+    step_count: int = 0
+    _thread: threading.local = field(default_factory=threading.local, repr=False)  # microbatch
+
+    def __post_init__(self):
+        self._reset_offload_stats()
 
     def reset(self) -> None:
         """Forget everything (`smp.init` starts from here; tests use it between cases)."""
-        self.initialized = False
-        self.cfg: Any = None
-        self.topology: Any = None
-        self.groups: Any = None
-        self.device: Any = None
-        self.backend: str | None = None
-        self.rank = 0
-        self.local_rank = 0
-        self.local_size = 1
-        self.model: Any = None
-        self.optimizer: Any = None
-        self.module_manager = ModuleManager()
-        self.pending_resume: Any = None  # resume_from_checkpoint called before the model existed
-        self.creation: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-        self.creation_dtype: Any = None
-        self.module_manager = ModuleManager()
-        self.delayed_init_report: dict | None = None  # parameter bytes it materialised
-        self.in_step = False
-        self.tracing = False  # the pipeline's first-step trace is running (pipeline/trace.py)
-        self._thread = threading.local()  # microbatch, per thread
-        self.step_count = 0
-        self.owns_process_group = False
+        for f in fields(self):
+            setattr(self, f.name, f.default_factory() if f.default is MISSING else f.default)
+        self._reset_offload_stats()
+
+    @staticmethod
+    def _reset_offload_stats() -> None:
         offload = sys.modules.get("fp16_sdk.modelparallel.torch.activation_offload")
         if offload is not None:  # its counters belong to the runtime that ran
             offload.stats.reset()

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpointing import apply_pending_resume
+from .checkpoint import apply_pending_resume
 from .errors import StepError
 from .state import state
 
@@ -226,21 +226,19 @@ class _StepFunction:
         model = state.model
         if model is not None:
             apply_pending_resume()  # a resume_from_checkpoint called before the model existed
-            model._pre_step()
+            model.begin_step()
         state.in_step = True
         try:
-            if model is not None and model._pipeline_enabled:
-                outputs = model._run_pipeline(self.func, mb_args)
+            if model is not None and model.pipelined:
+                outputs = model.run_pipeline(self.func, mb_args)
             else:
                 outputs = []
                 for mb, (a, k) in enumerate(mb_args):
                     state.microbatch = mb
                     outputs.append(self.func(*a, **k))
             if model is not None:
-                model._post_step()
-                if model._pipeline_enabled:  # bodies that disagreed across stages: now that
-                    model._pipeline.raise_disagreement()  # the step's collectives are done
-                model._run_post_step_hooks()  # register_post_step_hook: once, after a step
+                model.end_step()  # reducer, tied weights, then bodies that disagreed
+                model.run_post_step_hooks()  # register_post_step_hook: once, after a step
         finally:
             state.in_step = False
             state.microbatch = None

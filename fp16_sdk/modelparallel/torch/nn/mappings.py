@@ -77,8 +77,8 @@ def current_tp_context() -> TPContext:
     if not state.initialized or state.groups is None:
         return TPContext()
     cfg = state.cfg
-    param_dtype = torch.float16 if getattr(cfg, "fp16_params", False) else None
-    if getattr(cfg, "tensor_parallel_degree", 1) == 1:
+    param_dtype = torch.float16 if cfg.fp16_params else None
+    if cfg.tensor_parallel_degree == 1:
         return TPContext(prescaled_batch=bool(cfg.prescaled_batch), param_dtype=param_dtype)
     return TPContext.from_group(state.groups.tp, prescaled_batch=bool(cfg.prescaled_batch),
                                 param_dtype=param_dtype)

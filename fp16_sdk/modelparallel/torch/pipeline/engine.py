@@ -11,7 +11,7 @@ arithmetic on the module tree, and patches the units. The first `run_step` then,
 scheduled action: pipeline rank 0 waits for microbatch 0's `model(...)` call and sends its
 arguments to every stage; every stage broadcasts the weights from stage 0 (tied copies start
 equal), traces one forward of the whole model on those arguments, frees the tensors of other
-stages' units, and calls the model's `_on_partitioned()` (gradient reducer, optimizer state,
+stages' units, and calls the model's `on_partitioned()` (gradient reducer, optimizer state,
 post-partition hooks, pending loads) before the first real forward.
 
 Inputs. Only pipeline rank 0's are used, as in smp: its request (the arguments of
@@ -38,6 +38,7 @@ from ..state import state
 from .bodies import Bodies
 from .executor import StageExecutor
 from .failure import FailureSignal, PipelineAborted
+from .host import PipelineHost
 from .p2p import TensorChannel
 from .partition import Partition, auto_partition, manual_partition
 from .schedule import Kind, build_schedule, forward_only_schedule, switch_to_forward_only
@@ -99,12 +100,13 @@ class PipelineEngine:
     trace and the freeing) and executes steps.
 
     Args:
-        model: the DistributedModel (uses `.module`, `._forward_module`, optionally
-            `._prepare_grad_sync(mb)` and `._on_partitioned()`).
+        model: the DistributedModel, or any PipelineHost (host.py: `module`,
+            `forward_module`, `on_partitioned()`, `prepare_grad_sync(mb)`,
+            `finishes_pipeline_steps`).
         settings: PipelineSettings; default from the runtime state.
     """
 
-    def __init__(self, model, settings: PipelineSettings | None = None):
+    def __init__(self, model: PipelineHost, settings: PipelineSettings | None = None):
         self.model = model
         self.settings = s = settings or PipelineSettings.from_state()
         self.stage, self.last = s.stage, s.num_stages - 1
@@ -171,16 +173,14 @@ class PipelineEngine:
         state.tracing = True
         try:
             with _unchanged(self.module):
-                self.trace = self._stage_forward.run_trace(tracer, self.model._forward_module,
+                self.trace = self._stage_forward.run_trace(tracer, self.model.forward_module,
                                                            args, kwargs)
         finally:
             state.tracing = False
         self._tied = find_tied(self.module, self.partition, self.stage, self.trace.held)
         self.freed_numel = release_other_stages(self.module, self.partition, self.stage,
                                                 self.trace.held)
-        on_partitioned = getattr(self.model, "_on_partitioned", None)
-        if on_partitioned is not None:
-            on_partitioned()
+        self.model.on_partitioned()
         if s.rank == 0:
             log.info(self.partition.describe(self.module))
 
@@ -245,7 +245,7 @@ class PipelineEngine:
         for slot in slots:
             if slot.error is not None:
                 raise slot.error
-        if not hasattr(self.model, "_post_step"):  # a DistributedModel calls it after its reducer
+        if not self.model.finishes_pipeline_steps:  # a DistributedModel: after its reducer
             self.finish_step()
             self.raise_disagreement()
         return [slot.result for slot in slots]

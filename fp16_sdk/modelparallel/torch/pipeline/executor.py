@@ -25,6 +25,7 @@ import torch
 
 from ..errors import StepError
 from .bodies import Bodies, Slot
+from .host import PipelineHost
 from .p2p import TensorChannel, flatten
 from .schedule import Kind, Message, messages
 from .stage_forward import StageForward
@@ -33,10 +34,10 @@ __all__ = ["StageExecutor"]
 
 
 class StageExecutor:
-    """Runs actions of one stage. `model` may offer `_prepare_grad_sync(mb)`."""
+    """Runs actions of one stage; `model` is the PipelineHost (host.py)."""
 
     def __init__(self, *, stage: int, pp_ranks: list[int], channel: TensorChannel,
-                 stage_forward: StageForward, bodies: Bodies, model):
+                 stage_forward: StageForward, bodies: Bodies, model: PipelineHost):
         self.stage, self.pp_ranks = stage, list(pp_ranks)
         self.p, self.last = len(self.pp_ranks), len(self.pp_ranks) - 1
         self.channel, self.forward, self.bodies, self.model = channel, stage_forward, bodies, model
@@ -90,7 +91,7 @@ class StageExecutor:
             slot.received_leaves = [t.requires_grad_(True) for t in leaves
                                     if t.is_floating_point()]
         with torch.set_grad_enabled(grad_enabled and training):
-            is_output, out = self.forward.run(self.model._forward_module, args, kwargs, received)
+            is_output, out = self.forward.run(self.model.forward_module, args, kwargs, received)
         if not is_output:
             if training:
                 slot.stage_output = out
@@ -146,9 +147,7 @@ class StageExecutor:
                 f"stage {self.stage}: the step body of microbatch {slot.mb} returned without "
                 f"calling model.backward(...) in a training step (the last stage's microbatch 0 "
                 f"called it)")
-        prepare = getattr(self.model, "_prepare_grad_sync", None)
-        if prepare is not None:
-            prepare(slot.mb)
+        self.model.prepare_grad_sync(slot.mb)
         if self.stage == self.last:
             if called:
                 tensors, grad_tensors = slot.backward

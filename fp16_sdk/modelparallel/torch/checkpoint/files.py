@@ -1,6 +1,6 @@
 """The on-disk side of smp checkpoints: atomic files, manifests, the `newest` list, pruning.
 
-No collectives and no runtime state here (checkpointing.py decides who writes what); every
+No collectives and no runtime state here (resume.py decides who writes what); every
 function works on one folder and can be tested on its own.
 
 Atomicity: a file is written to `.<name>.tmp.<pid>` in its own folder, flushed, fsync'ed,
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = ["IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST", "atomic_write",
            "save_torch", "save_json", "read_json", "load", "sha256_of", "read_newest",

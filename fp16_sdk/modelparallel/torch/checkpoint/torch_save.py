@@ -16,8 +16,8 @@ import pickle
 
 import torch
 
-from .errors import CheckpointError
-from .state import state
+from ..errors import CheckpointError
+from ..state import state
 
 __all__ = ["save", "load", "partial_path"]
 
