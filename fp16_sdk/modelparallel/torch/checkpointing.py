@@ -90,7 +90,7 @@ def _rank_files(rank: int, *, model: bool, optimizer, fp16: bool) -> list[str]:
 
 
 def _optimizer_is_half(optimizer) -> bool:
-    return optimizer is not None and bool(getattr(optimizer, "mixed_precision", False))
+    return optimizer is not None and optimizer.mixed_precision
 
 
 def _rng_state() -> dict:
@@ -506,9 +506,8 @@ def _apply_partial(model, optimizer, pending: dict, strict: bool, load_optimizer
 
 def _refresh_masters(optimizer) -> None:
     """fp32 masters = the (just loaded) half weights, else the next step would undo the load."""
-    masters = getattr(optimizer, "_masters", None)
-    if masters is not None:
-        masters.copy_from_model()
+    if optimizer is not None:
+        optimizer.reload_masters_from_model()
 
 
 def _resume_full(path: str, tag, strict: bool, translate_function):

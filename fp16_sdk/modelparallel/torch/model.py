@@ -200,7 +200,7 @@ class DistributedModel(nn.Module):
         self.partitioned = True
         optimizer = state.optimizer
         if optimizer is not None:
-            optimizer._build_stage_state()
+            optimizer.build_stage_state()
         if self._pipeline_enabled:
             self._run_partition_hooks()
 
@@ -327,7 +327,7 @@ class DistributedModel(nn.Module):
             grad_tensors = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) \
                 else [grad_tensors]
         if state.cfg.fp16:
-            scale = float(getattr(state.optimizer, "loss_scale", 1.0) or 1.0)
+            scale = state.optimizer.loss_scale if state.optimizer is not None else 1.0
             if grad_tensors is None:
                 tensors = [t.float() * scale for t in tensors]
             else:
