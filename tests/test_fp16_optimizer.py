@@ -296,6 +296,40 @@ def test_fused_step_matches_torch_optimizer(start, device, name):
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_fused_step_hands_over_to_the_exact_path_mid_training(start, device):
+    """A step hook (only torch's step runs hooks) moves the fused optimizer to the exact path
+    for good, inside a clipped step (grads already unscaled): masters keep tracking torch's
+    AdamW on fp32 copies fed the unscaled fp16 grads, before and after the switch."""
+    dev = start({"fp16": True}, device)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(TinyGPT())
+    opt = smp.DistributedOptimizer(OPTIMIZERS["adamw"](model.parameters()),
+                                   dynamic_loss_scale=True, init_scale=2**10)
+    params = list(model.parameters())
+    masters = [opt.masters.model_to_master[id(p)] for p in params]
+    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    ref_opt = OPTIMIZERS["adamw"](ref)
+    calls = []
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2:
+            opt.optimizer.register_step_pre_hook(lambda *args: calls.append(i))
+        opt.zero_grad()
+        train_step(model, x.to(dev), y.to(dev))
+        for r, p in zip(ref, params):
+            r.grad = p.grad.float() / opt.loss_scale
+        full = float(torch.linalg.vector_norm(torch.cat([r.grad.reshape(-1) for r in ref])))
+        want = float(torch.nn.utils.clip_grad_norm_(ref, full / 2))  # clip: factor != 1/scale
+        assert opt.clip_master_grads(full / 2) == pytest.approx(want, rel=1e-5)
+        opt.step()
+        ref_opt.step()
+        assert not opt.overflow and opt.precision_mode == ("fused" if i < 2 else "exact")
+        for m, r, p in zip(masters, ref, params):
+            torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=2e-6)
+            assert torch.equal(p.detach(), m.detach().half())
+    assert calls == [2, 3]
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
 def test_fused_state_dict_round_trip(start, device):
     """state_dict() of the fused path's flat state reloads exactly (state copied back in)."""
     dev = start({"fp16": True}, device)
