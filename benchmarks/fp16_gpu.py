@@ -309,7 +309,7 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
 
     result = _timed_loop(_smp_run_step(train_step, model, opt, clip), batches, steps, warmup)
     extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
-             "fused_optimizer_step": opt._fused is not None,
+             "fused_optimizer_step": opt.precision_mode == "fused",
              "loss": "smp.nn lm_loss" if snn else SMP_LOSS}
     return result, sizes, extra, (model, opt)
 
@@ -352,7 +352,7 @@ def arm_hf(cfg, batches, steps, warmup, *, clip: bool, tp_path: bool):
 
     result = _timed_loop(_smp_run_step(train_step, model, opt, clip), batches, steps, warmup)
     extra = {"loss_scale": opt.loss_scale, "skipped_steps": opt.skipped_steps,
-             "fused_optimizer_step": opt._fused is not None, "loss": "fp32 in the step"}
+             "fused_optimizer_step": opt.precision_mode == "fused", "loss": "fp32 in the step"}
     return result, sizes, extra, (model, opt)
 
 

@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import fp16_sdk.modelparallel.torch as smp
@@ -23,6 +22,7 @@ from fp16_sdk.modelparallel.torch.fp16.fused_step import triton_available
 from fp16_sdk.modelparallel.torch.fp16.loss_scaler import DynamicLossScaler
 from fp16_sdk.modelparallel.torch.state import state
 from helpers.mp import run_ranks
+from helpers.tiny_gpt import TinyGPT, batches, lm_loss
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # The fused step runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1).
@@ -47,43 +47,6 @@ def start(monkeypatch):
     if dist.is_initialized():
         dist.destroy_process_group()
     state.reset()
-
-
-class TinyGPT(nn.Module):
-    """One causal self-attention block with a tied head: a small transformer."""
-
-    def __init__(self, vocab=32, d=32, heads=2, seq=16):
-        super().__init__()
-        self.heads = heads
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, idx):
-        b, s = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.proj(y)
-        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return F.linear(self.ln_f(x), self.wte.weight)
-
-
-def batches(n, batch=8, seq=16, vocab=32, seed=0):
-    """Sequences that repeat a random 4-token motif: next-token loss falls well below ln(32)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        motif = torch.randint(0, vocab, (batch, 4), generator=g)
-        tok = motif.repeat(1, (seq + 1) // 4 + 1)[:, :seq + 1]
-        out.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
-    return out
-
-
-def lm_loss(logits, y):
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 @smp.step
@@ -303,9 +266,9 @@ def test_fused_step_matches_torch_optimizer(start, device, name):
     model = smp.DistributedModel(TinyGPT())
     opt = smp.DistributedOptimizer(OPTIMIZERS[name](model.parameters()),
                                    dynamic_loss_scale=True, init_scale=2**10)
-    assert opt._fused is not None and all(b.master_grad is None for b in opt._masters.buckets)
+    assert opt.precision_mode == "fused" and all(b.master_grad is None for b in opt.masters.buckets)
     params = list(model.parameters())
-    masters = [opt._masters.model_to_master[id(p)] for p in params]
+    masters = [opt.masters.model_to_master[id(p)] for p in params]
     ref = [p.detach().float().clone().requires_grad_() for p in params]
     ref_opt = OPTIMIZERS[name](ref)
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in (opt.optimizer, ref_opt)]
@@ -333,6 +296,40 @@ def test_fused_step_matches_torch_optimizer(start, device, name):
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_fused_step_hands_over_to_the_exact_path_mid_training(start, device):
+    """A step hook (only torch's step runs hooks) moves the fused optimizer to the exact path
+    for good, inside a clipped step (grads already unscaled): masters keep tracking torch's
+    AdamW on fp32 copies fed the unscaled fp16 grads, before and after the switch."""
+    dev = start({"fp16": True}, device)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(TinyGPT())
+    opt = smp.DistributedOptimizer(OPTIMIZERS["adamw"](model.parameters()),
+                                   dynamic_loss_scale=True, init_scale=2**10)
+    params = list(model.parameters())
+    masters = [opt.masters.model_to_master[id(p)] for p in params]
+    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    ref_opt = OPTIMIZERS["adamw"](ref)
+    calls = []
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2:
+            opt.optimizer.register_step_pre_hook(lambda *args: calls.append(i))
+        opt.zero_grad()
+        train_step(model, x.to(dev), y.to(dev))
+        for r, p in zip(ref, params):
+            r.grad = p.grad.float() / opt.loss_scale
+        full = float(torch.linalg.vector_norm(torch.cat([r.grad.reshape(-1) for r in ref])))
+        want = float(torch.nn.utils.clip_grad_norm_(ref, full / 2))  # clip: factor != 1/scale
+        assert opt.clip_master_grads(full / 2) == pytest.approx(want, rel=1e-5)
+        opt.step()
+        ref_opt.step()
+        assert not opt.overflow and opt.precision_mode == ("fused" if i < 2 else "exact")
+        for m, r, p in zip(masters, ref, params):
+            torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=2e-6)
+            assert torch.equal(p.detach(), m.detach().half())
+    assert calls == [2, 3]
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
 def test_fused_state_dict_round_trip(start, device):
     """state_dict() of the fused path's flat state reloads exactly (state copied back in)."""
     dev = start({"fp16": True}, device)
@@ -355,7 +352,7 @@ def test_fused_state_dict_round_trip(start, device):
     after = steps(data)
     opt.load_state_dict(saved)
     assert all(torch.equal(a, b) for a, b in zip(after, steps(data)))
-    assert opt._fused is not None
+    assert opt.precision_mode == "fused"
 
 
 @pytest.mark.parametrize("fp16", [False, True])
@@ -372,7 +369,7 @@ def test_dp1_reducer_keeps_grads_in_place(start, fp16):
     opt.zero_grad()
     train_step(model, x.to(dev), y.to(dev))
     if fp16:  # the gradients stayed in the optimizer's flat buffer
-        bucket, = opt._masters.buckets
+        bucket, = opt.masters.buckets
         assert all(p.grad is v for p, v in zip(bucket.params, bucket.grad_views))
         return
     lm_loss(reference(x), y).backward()

@@ -89,13 +89,6 @@ def test_contract_is_standard_library_only():
     assert extra == [], extra
 
 
-# Test modules that still import another one; the optimizer's helper (issue 16) is moving what
-# they share into tests/helpers/. An entry that no longer imports fails below, so the list
-# only shrinks.
-_STILL_SHARED_BY_IMPORT = {("test_sharded_optimizer", "test_fp16_optimizer"),
-                           ("test_sharded_data_parallel", "test_fp16_optimizer")}
-
-
 def _test_module_imports(path: Path) -> set[str]:
     """Names of test modules (`test_*`) that the file at `path` imports, at any depth."""
     import ast
@@ -117,6 +110,4 @@ def test_no_test_module_imports_another():
     tests = REPO / "tests"
     pairs = {(f.stem, imported) for f in sorted(tests.rglob("*.py"))
              for imported in _test_module_imports(f)}
-    assert pairs - _STILL_SHARED_BY_IMPORT == set(), sorted(pairs - _STILL_SHARED_BY_IMPORT)
-    stale = _STILL_SHARED_BY_IMPORT - pairs
-    assert not stale, f"{sorted(stale)} no longer import: remove them from _STILL_SHARED_BY_IMPORT"
+    assert pairs == set(), sorted(pairs)

@@ -9,7 +9,7 @@ from torch import nn
 
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.config import parse_mp_parameters
-from fp16_sdk.modelparallel.torch.memory_report import optimizer_bytes, startup_line
+from fp16_sdk.modelparallel.torch.memory_report import startup_line
 from fp16_sdk.modelparallel.torch.state import state
 from fp16_sdk.modelparallel.torch.topology import Topology
 
@@ -72,6 +72,6 @@ def test_init_logs_the_summary_and_the_health_line_has_memory_figures(init, monk
     assert "delayed parameter initialization: this rank holds" in text
     assert "shard_optimizer_state: this rank steps" in text
     health = [r.getMessage() for r in caplog.records if r.name == "smp.fp16"][-1]
-    want = f"optimizer state {optimizer_bytes(opt) / 2**20:.1f} MiB/rank (1/1 sharded)"
+    want = f"optimizer state {opt.state_bytes() / 2**20:.1f} MiB/rank (1/1 sharded)"
     assert want in health and "activations offloaded 3" in health and "loads 3" in health
     assert "parameters materialised" in health

@@ -20,7 +20,7 @@ import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.config import parse_mp_parameters
 from fp16_sdk.errors import ConfigError
 from helpers.mp import run_ranks
-from test_fp16_optimizer import batches, lm_loss
+from helpers.tiny_gpt import batches, lm_loss
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.state import state
 from helpers.mp import run_ranks
-from test_fp16_optimizer import TinyGPT, batches, lm_loss
+from helpers.tiny_gpt import TinyGPT, batches, lm_loss
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def _full_grads(model, opt) -> dict[str, torch.Tensor]:
     """name -> the reduced (clipped, unscaled) fp32 gradient the optimizer steps with."""
     names = {id(p): n for n, p in model.module.named_parameters()}
     out = {}
-    masters = opt._masters
+    masters = opt.masters
     if masters is None:  # unsharded fp32: the reducer's result in p.grad
         return {names[id(p)]: p.grad.detach().float().clone() for p in model.parameters()}
     for bucket in masters.buckets:
@@ -53,8 +53,8 @@ def _full_grads(model, opt) -> dict[str, torch.Tensor]:
 
 def _state_bytes(opt) -> int:
     """Bytes of masters, master grads and inner optimizer state on this rank."""
-    masters = opt._masters
-    if hasattr(masters, "state_bytes"):
+    masters = opt.masters
+    if opt.precision_mode == "sharded":
         return masters.state_bytes(opt.optimizer)
     total = sum(t.nbytes for s in opt.optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim())
@@ -90,7 +90,7 @@ def _train(rank, world, sharded, fp16, poison_rank=-1, steps=3, tp=1):
         log.append({"loss": loss, "norm": norm, "grads": grads, "overflow": opt.overflow,
                     "scale": opt.loss_scale, "unchanged": same})
     weights = {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
-    return log, weights, _state_bytes(opt), len(opt._masters.buckets) if opt._masters else 0
+    return log, weights, _state_bytes(opt), len(opt.masters.buckets) if opt.masters else 0
 
 
 def test_fp32_sharded_matches_unsharded():

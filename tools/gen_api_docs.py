@@ -84,7 +84,6 @@ METHOD_FALLBACK = {
     "DistributedModel.is_distributed_buffer": "A tensor-parallel shard of a buffer.",
     "DistributedModel.is_scaled_batch_buffer": "A buffer of a distributed module (it sees the "
                                                "TP group's batch).",
-    "DistributedOptimizer.mixed_precision": "True when fp32 master copies of the half-precision parameters are kept (fp16).",
 }
 
 # Instance attributes scripts read that `inspect` cannot see on the class.

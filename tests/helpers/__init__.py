@@ -9,6 +9,8 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   `capture_requests` (request bodies as botocore sends them) and `make_buckets`.
 - `smp_configs`: smp configuration dicts from AWS's example scripts (`AWS_GPT2_INIT`).
 - `tp_checks`: `assert_close` and `full_grads` (gathered to the unsplit layout) for TP tests.
+- `tiny_gpt`: `TinyGPT`, `batches`, `lm_loss`: the small transformer and the data the optimizer
+  tests (fp16, sharded optimizer state, sharded data parallelism) train (imports torch).
 - `toolkit_jobs`: a fake /opt/ml tree with packed code (`make_job`) and the toolkit's
   environment (`toolkit_env`) / a run of the real toolkit (`run_toolkit`).
 - `tiny_lm`: `TinyLM` (embedding, residual blocks, tied head) for the pipeline tests.

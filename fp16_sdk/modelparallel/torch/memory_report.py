@@ -3,21 +3,20 @@
 - `startup_line(cfg, topology)`: logged by smp.init with the topology line; which features
   are on and what each saves (as a fraction of the model, per rank).
 - `wrap_line()`: logged once the DistributedModel materialised a delayed model.
-- `optimizer_line(opt)`: logged when the DistributedOptimizer is built: bytes of optimizer
-  state on this rank, and with shard_optimizer_state what the unsharded layout would hold.
+- `optimizer_line(masters, mixed_precision=...)`: logged when the DistributedOptimizer is
+  built with shard_optimizer_state: bytes of masters on this rank, and what the unsharded
+  layout would hold.
 - `health_figures(opt)`: appended to the FP16 health line every SMP_LOG_INTERVAL steps:
-  optimizer state bytes, activations offloaded so far (count, bytes, host peak, prefetched
-  loads) and parameter bytes materialised by delayed initialization.
+  optimizer state bytes (`opt.state_bytes()`), activations offloaded so far (count, bytes,
+  host peak, prefetched loads) and parameter bytes materialised by delayed initialization.
 """
 
 from __future__ import annotations
 
-import torch
-
 from . import activation_offload
 from .state import state
 
-__all__ = ["startup_line", "wrap_line", "optimizer_line", "health_figures", "optimizer_bytes"]
+__all__ = ["startup_line", "wrap_line", "optimizer_line", "health_figures"]
 
 _MIB = 1024 * 1024
 
@@ -60,27 +59,12 @@ def wrap_line() -> str | None:
             f"materialising {_mib(report['peak_bytes'])})")
 
 
-def optimizer_bytes(opt) -> int:
-    """Bytes of fp32 masters, master gradients and inner optimizer state on this rank."""
-    masters = opt._masters
-    if masters is not None and hasattr(masters, "state_bytes"):
-        return masters.state_bytes(opt.optimizer)
-    total = sum(t.nbytes for s in opt.optimizer.state.values() for t in s.values()
-                if torch.is_tensor(t) and t.dim())
-    if masters is not None:
-        total += sum(b.master.nbytes + (b.master_grad.nbytes if b.master_grad is not None
-                                        else 0) for b in masters.buckets)
-    return total
-
-
-def optimizer_line(opt) -> str | None:
-    """At DistributedOptimizer creation, with shard_optimizer_state: what it holds and saves."""
-    if not state.cfg.shard_optimizer_state:
-        return None
-    masters = opt._masters
+def optimizer_line(masters, *, mixed_precision: bool) -> str:
+    """At DistributedOptimizer creation, with shard_optimizer_state (`masters`: its
+    ShardedMasters): what this rank holds and saves."""
     elems = sum(b.chunk for b in masters.buckets)
     full = sum(b.numel for b in masters.buckets)
-    per_elem = (8 if opt.mixed_precision else 0)  # fp32 master + master grad
+    per_elem = (8 if mixed_precision else 0)  # fp32 master + master grad
     return (f"shard_optimizer_state: this rank steps {elems} of {full} elements "
             f"(1/{state.topology.rdp}); masters{' and master grads' if per_elem else ''} "
             f"{_mib(elems * per_elem)} here instead of {_mib(full * per_elem)}; optimizer "
@@ -89,7 +73,7 @@ def optimizer_line(opt) -> str | None:
 
 def health_figures(opt) -> str:
     """The memory part of the health line."""
-    parts = [f"optimizer state {_mib(optimizer_bytes(opt))}/rank"
+    parts = [f"optimizer state {_mib(opt.state_bytes())}/rank"
              + (f" (1/{state.topology.rdp} sharded)" if state.cfg.shard_optimizer_state
                 or state.cfg.sharded_data_parallel_degree > 1 else "")]
     model = state.model

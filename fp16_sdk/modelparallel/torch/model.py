@@ -210,7 +210,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self.partitioned = True
         optimizer = state.optimizer
         if optimizer is not None:
-            optimizer._build_stage_state()
+            optimizer.build_stage_state()
         if self.pipelined:
             self._run_partition_hooks()
 

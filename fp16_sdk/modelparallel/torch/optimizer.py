@@ -4,45 +4,62 @@ One step in fp16 mode, in the order scripts call it:
 
     zero_grad()            zero the flat fp16 grad buffers (one kernel per bucket)
     model.backward(loss)   DistributedModel multiplies loss.float() by `loss_scale`
-    clip_master_grads(n)   first call of the step does the bookkeeping below, then clips
-    step()                 skipped together on every rank on overflow; else inner step on the
-                           masters and one copy master -> fp16 per bucket
+    clip_master_grads(n)   prepare grads -> found-inf -> clip (unscale and clip in one pass)
+    step()                 the same phases unless clip_master_grads ran, then (skipped on
+                           every rank together on overflow) inner step -> copy back
 
-The bookkeeping, once per step: one reduction per bucket gives sum |g|^p over the counted
-and the uncounted gradients (non-finite iff some gradient is inf/NaN); [found_inf, counted]
-is all-reduced over the model-parallel group (world with shard_optimizer_state) and read
-back: the step's single host sync. Then one of two paths:
+Each phase is a method, doing what the precision mode says (precision_modes.py: fp32,
+exact half, fused half, sharded, sdp):
 
-- fused (fp16/fused_step.py; Adam, AdamW or SGD on CUDA with Triton): unscaling is only a
-  number, grad_factor = clip_coeff / scale; step() runs one kernel per bucket that reads the
-  fp16 grad, multiplies it by grad_factor, updates master and state and writes the fp16
-  param (~30 B/param in all with the norm; no fp32 master-grad buffer exists);
-- exact (any other optimizer, CPU, fp32 params among the half ones): the fp16 grads are
-  widened into fp32 master grads times grad_factor in one kernel per bucket, the inner
-  optimizer steps the masters, and one copy per bucket writes master -> fp16.
+    _prepare_grads          grads into the buffers the norm reads (sharded: reduce-scatter)
+    _found_inf_and_norm     one reduction per bucket gives sum |g|^p over the counted and the
+                            uncounted grads (non-finite iff some grad is inf/NaN); [found_inf,
+                            counted] is all-reduced over the model-parallel group (world when
+                            sharded) and read back: the step's single host sync
+    _unscale / _rescale     grads times grad_factor = clip_coeff / loss_scale: into fp32
+                            master grads (exact), or only recorded (fused: the kernel applies it)
+    _step_with_ready_grads  the inner torch optimizer on the masters, or the fused kernels
+    _copy_back              master -> fp16, one copy per bucket (sharded: an all-gather)
 
-Size: over the 400-line guide, because one class serves the three precision modes (fp32,
-exact half, fused half) and the sharded paths' seams; splitting the step into named phases
-with one object per mode is an open structure item.
+What the current step has done (agreed stats, grads final or not, the factor, the last
+found-inf) is one `_StepProgress`, reset by zero_grad() and at the end of step().
 """
 
 from __future__ import annotations
 
-import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .errors import SMPConfigError, SMPUnsupportedError
-from .fp16.fused_step import FusedStepper, fused_kind
-from .fp16.health import log_health, log_interval
-from .fp16.loss_scaler import DYNAMIC_LOSS_ARGS, DynamicLossScaler, StaticLossScaler
-from .fp16.master_params import MasterParams
-from . import sharded_data_parallel
+from .fp16.health import HealthLog
+from .fp16.loss_scaler import make_scaler
+from .precision_modes import PrecisionMode, Unpartitioned, build_mode
 from .state import state
 
 __all__ = ["DistributedOptimizer"]
+
+
+@dataclass(frozen=True)
+class _GradStats:
+    """This step's gradient norm and found-inf, agreed over the reduction group."""
+
+    norm_type: float
+    overflow: bool
+    norm: float
+
+
+@dataclass
+class _StepProgress:
+    """What the current step has done (one object: reset by zero_grad and after step)."""
+
+    stats: _GradStats | None = None  # agreed norm terms of the grads as they are now
+    unscaled: bool = False           # grads are final: the raw ones times grad_factor
+    grad_factor: float = 1.0         # clip_coeff / loss_scale (the fused kernel applies it)
+    overflow: bool = False           # the last agreed found-inf
+
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap a torch optimizer for the smp runtime.
@@ -79,68 +96,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}; build e.g. torch.optim.AdamW(model.parameters()) "
                 "first", key="optimizer", value=type(optimizer).__name__)
-        cfg = state.cfg
-        self.fp16 = bool(getattr(cfg, "fp16", False))
-        self.bf16 = bool(getattr(cfg, "bf16", False))
+        self.fp16, self.bf16 = state.cfg.fp16, state.cfg.bf16
         self.optimizer = optimizer
-        self.scaler = _make_scaler(self.fp16, static_loss_scale, dynamic_loss_scale,
-                                   dynamic_loss_args, flat_loss_args)
-        self._masters = None
-        self._fused: FusedStepper | None = None
-        self._stage_state_built = False
+        self.scaler = make_scaler(fp16=self.fp16, static_loss_scale=static_loss_scale,
+                                  dynamic_loss_scale=dynamic_loss_scale,
+                                  args={**(dynamic_loss_args or {}), **flat_loss_args})
+        self._mode: PrecisionMode = Unpartitioned(optimizer)
         self._pending_load: dict | None = None
         # The base init only sets up hook dicts here; the groups are then shared, not copied.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._share_inner()
+        # The counters scripts read and checkpoints keep.
+        self.overflow, self.skipped_steps, self.steps = False, 0, 0
+        self._progress = _StepProgress()
+        self._health = HealthLog()
+        self._global_grad_norm = None  # the last clip's norm, by the name AWS's sdp scripts read
         if _partitioned():
-            self._build_stage_state()
-        self.overflow = False
-        self.skipped_steps = 0
-        self.steps = 0
-        self._step_stats: dict | None = None  # this step's agreed norm terms, once computed
-        self._unscaled = False                # grads already unscaled (grad_factor final)
-        self._grad_factor = 1.0               # fused path: what the kernel multiplies grads by
-        self._log_interval = log_interval()
-        self._logged_skips = 0
-        self._last_overflow = False
-        self._global_grad_norm = None         # the last clip's norm (clip_master_grads)
+            self.build_stage_state()
         state.optimizer = self
 
-    # ---- deferred per-stage state ----------------------------------------------------------
-    def _build_stage_state(self) -> None:
-        """Build what depends on the partition (fp32 masters of this stage's half
-        parameters, the fused stepper) and apply a load_state_dict that waited for it.
+    def build_stage_state(self) -> None:
+        """Build this stage's precision mode once the partition is final (the
+        DistributedModel calls it; idempotent): masters of the stage's half parameters, the
+        fused stepper, then a load_state_dict that waited for them.
 
         Called at construction when the model is already partitioned, else by the
         DistributedModel once it is (pp > 1: inside the first step, before any forward).
         Until then `param_groups` are the inner optimizer's own, with the whole model's
         parameters, so LR schedulers can be built and stepped on them; the masters later
-        replace the half parameters inside those same group dicts. Idempotent.
+        replace the half parameters inside those same group dicts.
         """
-        if self._stage_state_built:
+        if not isinstance(self._mode, Unpartitioned):
             return
-        self._stage_state_built = True
-        optimizer = self.optimizer
-        if sharded_data_parallel.enabled():  # ZeRO-3: the masters are the model's shards
-            self._masters = sharded_data_parallel.SdpMasters(optimizer, counts=_counts_in_norm)
-        elif _shard_optimizer_state():  # ZeRO-1 over RDP, any precision: sharded_optimizer.py
-            from .memory_report import optimizer_line
-            from .sharded_optimizer import ShardedMasters
-            self._masters = ShardedMasters(optimizer, counts=_counts_in_norm)
-            if state.rank == 0:
-                logging.getLogger("smp").info(optimizer_line(self))
-        elif self.fp16 or self.bf16:
-            kind = fused_kind(optimizer)
-            self._fused = FusedStepper(kind, optimizer) if kind else None
-            self._masters = MasterParams(optimizer.param_groups, counts=_counts_in_norm,
-                                         master_grads=self._fused is None)
-            _remap_state(optimizer, self._masters)
+        self._mode = build_mode(self.optimizer, half=self.mixed_precision)
         self._share_inner()
         pending, self._pending_load = self._pending_load, None
         if pending is not None:
             self.load_state_dict(pending)
 
-    # ---- what scripts read -------------------------------------------------------------
+    # ---- what scripts and the other runtime modules read ---------------------------------
     @property
     def loss_scale(self) -> float:
         """The scale DistributedModel.backward multiplies the loss by (1.0 unless fp16)."""
@@ -148,7 +142,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def mixed_precision(self) -> bool:
+        """True when fp32 master copies of the half-precision parameters are kept (fp16, bf16)."""
         return self.fp16 or self.bf16
+
+    @property
+    def precision_mode(self) -> str:
+        """How steps run: "fp32", "exact", "fused", "sharded", "sdp" (precision_modes.py), or
+        "unpartitioned" before a pp > 1 model's first step."""
+        return self._mode.name
+
+    @property
+    def masters(self):
+        """This rank's master store (MasterParams, ShardedMasters or SdpMasters: `.buckets`
+        of flat fp32 masters), or None when the inner optimizer steps the model's parameters."""
+        return self._mode.masters
+
+    def state_bytes(self) -> int:
+        """Bytes of fp32 masters, master gradients and inner optimizer state on this rank."""
+        return self._mode.state_bytes()
+
+    def reload_masters_from_model(self) -> None:
+        """Copy the model's (just loaded) weights into the fp32 masters, else the next step
+        would write the old masters back; nothing to do without masters."""
+        if self._mode.masters is not None:
+            self._mode.masters.copy_from_model()
 
     def _share_inner(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -160,29 +177,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not hasattr(self, "optimizer") or self.optimizer.param_groups is not self.param_groups:
             super().add_param_group(param_group)  # called by the base __init__: already inner's
             return
-        if self._masters is not None:
-            self._masters.add_group(param_group)
-        self.optimizer.add_param_group(param_group)
-        if self._fused is not None and (self._masters.full_precision or not self._fused.supports(
-                self.optimizer.param_groups, self._masters.buckets)):
-            self._use_exact_path()
+        if not self._mode.add_group(param_group):  # the fused kernels cannot step the group
+            self._leave_fused_step()
 
-    def _use_exact_path(self) -> None:
-        """Leave the fused step for good: master-grad buffers, the inner optimizer's step."""
-        self._fused = None
-        self._masters.add_master_grads()
-        if self._unscaled:  # this step's factor is decided: materialise the master grads
-            for bucket in self._masters.buckets:
-                bucket.unscale_into_master(_scalar(self._grad_factor, bucket.master))
+    def _leave_fused_step(self) -> None:
+        """Switch from the fused step to the exact one for good (precision_modes.FusedHalf)."""
+        p = self._progress
+        self._mode = self._mode.to_exact(unscaled=p.unscaled, grad_factor=p.grad_factor)
 
     # ---- the step ----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's gradients (fp16 ones in place in the flat buffers) and masters'."""
-        if self._masters is not None:
-            self._masters.zero_grad(set_to_none)
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._step_stats, self._unscaled = None, False
+        self._mode.zero_grad(set_to_none)
+        self._progress = _StepProgress()
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
         """Clip the (master) gradients by their global norm over the model-parallel ranks.
@@ -198,20 +205,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns:
             The total norm before clipping, or -1 when the step overflowed.
         """
-        norm_type = float(norm_type)
-        stats = self._agree_stats(norm_type)
-        if stats["overflow"]:
+        stats = self._found_inf_and_norm(float(norm_type))
+        if stats.overflow:
             return -1
-        total = stats["norm"]
-        self._global_grad_norm = total  # read by AWS's sharded-data-parallel scripts
+        total = self._global_grad_norm = stats.norm
         coeff = max_norm / (total + 1e-6)
         factor = coeff if coeff < 1 else 1.0
-        if self._unscaled:
+        if self._progress.unscaled:  # a second clip in this step: scale what is final
             if factor != 1.0:
-                self._scale_unscaled_grads(factor)
+                self._rescale(factor)
         else:
-            self._unscale(factor / self.loss_scale)
-        self._step_stats = None  # a second clip sees the clipped grads
+            self._unscale(factor / self.loss_scale)  # unscale and clip in one pass
+        self._progress.stats = None  # a second clip sees the clipped grads
         return total
 
     def step(self, closure=None):
@@ -227,118 +232,84 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise SMPUnsupportedError("DistributedOptimizer.step(closure) is not supported: "
                                       "run the forward/backward in an @smp.step function, then "
                                       "call optimizer.step() without arguments")
-        if self._masters is None:
+        if self._mode.masters is None:
+            # The inner optimizer steps the model's fp32 parameters: nothing to agree on (no
+            # host sync), no overflow and no scaler update, as in smp.
             self.overflow = False
-            self.optimizer.step()
+            self._step_with_ready_grads()
         else:
-            clip = state.cfg.sdp_gradient_clipping if sharded_data_parallel.enabled() else 0
-            if not self._unscaled and clip > 0:  # sdp clips itself (sharded_data_parallel.py)
-                self.clip_master_grads(clip)
-            if not self._unscaled:
-                if not self._agree_stats(2.0)["overflow"]:
-                    self._unscale(1.0 / self.loss_scale)
-            self.overflow = bool(self._last_overflow)
-            if not self.overflow:
-                fused = self._fused
-                if fused is None or not fused.step(self._masters.buckets, self._grad_factor):
-                    if fused is not None:
-                        self._use_exact_path()  # e.g. a loaded state it cannot hold flat
-                    self.optimizer.step()
-                    self._masters.copy_to_model()
-            else:
+            self.overflow = self._ready_grads_for_step()
+            if self.overflow:
                 self.skipped_steps += 1
+            else:
+                self._step_with_ready_grads()
+                self._copy_back()
             self.scaler.update_scale(self.overflow)
-        self._finish_step()
+        self._progress = _StepProgress()
+        self.steps += 1
+        self._health.after_step(self)
         return None
 
-    def _finish_step(self) -> None:
-        self._step_stats, self._unscaled = None, False
-        self.steps += 1
-        if self._log_interval and self.steps % self._log_interval == 0 and state.rank == 0:
-            log_health(self)
+    # ---- the phases --------------------------------------------------------------------
+    def _ready_grads_for_step(self) -> bool:
+        """Unless clip_master_grads made them final: [the mode's own clip] -> prepare grads
+        -> found-inf -> unscale. Returns whether the step overflowed (agreed on every rank)."""
+        if not self._progress.unscaled and self._mode.auto_clip > 0:
+            self.clip_master_grads(self._mode.auto_clip)  # sdp (sharded_data_parallel.py)
+        if not self._progress.unscaled and not self._found_inf_and_norm(2.0).overflow:
+            self._unscale(1.0 / self.loss_scale)
+        return self._progress.overflow
 
-    # ---- bookkeeping -------------------------------------------------------------------
-    def _agree_stats(self, norm_type: float) -> dict:
+    def _prepare_grads(self) -> None:
+        self._mode.prepare_grads()
+
+    def _found_inf_and_norm(self, norm_type: float) -> _GradStats:
         """This step's norm and overflow, agreed over the group (cached; one host sync)."""
-        if self._step_stats is not None and self._step_stats["norm_type"] == norm_type:
-            return self._step_stats
-        counted, every = self._local_power_sums(norm_type)
+        p = self._progress
+        if p.stats is not None and p.stats.norm_type == norm_type:
+            return p.stats
+        if not p.unscaled:
+            self._prepare_grads()
+        counted, every = self._mode.local_power_sums(norm_type, unscaled=p.unscaled)
         found = (~torch.isfinite(every)).to(counted.dtype)
         pair = torch.stack([found, counted])
-        group = _reduction_group()
+        group = self._reduction_group()
         if group is not None:
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             dist.all_reduce(pair, op=op, group=group)
         found_v, counted_v = pair.tolist()  # the step's host sync
         overflow = found_v > 0 and self.mixed_precision
         norm = counted_v if math.isinf(norm_type) else counted_v ** (1.0 / norm_type)
-        if not self._unscaled:
-            norm = norm / self.loss_scale
-        elif self._fused is not None:  # sums were over the raw fp16 grads: |f g| = f |g|
-            norm = norm * self._grad_factor
-        self._last_overflow = overflow
-        self._step_stats = {"norm_type": norm_type, "overflow": overflow, "norm": norm}
-        return self._step_stats
+        norm = self._mode.unscaled_norm(norm, p.grad_factor) if p.unscaled else \
+            norm / self.loss_scale
+        p.overflow = overflow
+        p.stats = _GradStats(norm_type, overflow, norm)
+        return p.stats
 
-    def _local_power_sums(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counted, all) local sums of |g|^p (max for inf), in fp64 on the params' device."""
-        counted, uncounted = [], []
-        if self._masters is not None and not self._unscaled:
-            for bucket in self._masters.buckets:
-                bucket.gather_grads()
-                c, u = bucket.grad_power_sums(norm_type)
-                counted.append(c)
-                uncounted.append(u)
-        elif self._masters is not None:
-            for bucket in self._masters.buckets:
-                c, u = bucket.grad_power_sums(norm_type, master=self._fused is None)
-                counted.append(c)
-                uncounted.append(u)
-        grads = [(p.grad, counts) for p, counts in self._full_precision_params()
-                 if p.grad is not None]
-        for counts, out in ((True, counted), (False, uncounted)):
-            out.extend(_power_sums([g for g, c in grads if c is counts], norm_type))
-        device = _device_of(self.param_groups)
-        if not counted and not uncounted:
-            zero = torch.zeros((), dtype=torch.float64, device=device)
-            return zero, zero
-        combine = torch.max if math.isinf(norm_type) else torch.sum
-        c = combine(torch.stack([t.double() for t in counted])) if counted else \
-            torch.zeros((), dtype=torch.float64, device=device)
-        u = combine(torch.stack([t.double() for t in uncounted])) if uncounted else c * 0
-        return c, (torch.maximum(c, u) if math.isinf(norm_type) else c + u)
-
-    def _full_precision_params(self):
-        """(param, counts in norm) for the parameters the inner optimizer steps directly."""
-        if self._masters is not None:
-            return zip(self._masters.full_precision, self._masters.full_precision_counted)
-        return ((p, _counts_in_norm(p)) for g in self.param_groups for p in g["params"])
+    def _reduction_group(self):
+        """The group overflow and norms are agreed over, or None when it is this rank alone."""
+        if state.groups is None or not dist.is_initialized():
+            return None
+        group = state.groups.world if self._mode.world_reduction else state.groups.mp
+        return group if dist.get_world_size(group) > 1 else None
 
     def _unscale(self, factor: float) -> None:
-        """Master grads = fp16 grads * factor; fp32 grads *= factor (fused, per bucket).
+        """The step's grads = the raw grads * factor (clip_coeff / loss_scale)."""
+        self._mode.unscale(factor)
+        self._progress.grad_factor = factor
+        self._progress.unscaled = True
 
-        On the fused path the factor is only recorded: the step kernel applies it.
-        """
-        if self._fused is not None:
-            self._grad_factor = factor
-        elif self._masters is not None:
-            for bucket in self._masters.buckets:
-                bucket.unscale_into_master(_scalar(factor, bucket.master))
-        if factor != 1.0:
-            grads = [p.grad for p, _ in self._full_precision_params() if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, factor)
-        self._unscaled = True
+    def _rescale(self, factor: float) -> None:
+        self._mode.rescale(factor)
+        self._progress.grad_factor *= factor
 
-    def _scale_unscaled_grads(self, factor: float) -> None:
-        if self._fused is not None:
-            self._grad_factor *= factor
-        elif self._masters is not None:
-            for bucket in self._masters.buckets:
-                bucket.master_grad.mul_(factor)
-        grads = [p.grad for p, _ in self._full_precision_params() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
+    def _step_with_ready_grads(self) -> None:
+        if not self._mode.step(self._progress.grad_factor):
+            self._leave_fused_step()  # e.g. a loaded state it cannot hold flat
+            self._mode.step(self._progress.grad_factor)
+
+    def _copy_back(self) -> None:
+        self._mode.copy_back()
 
     # ---- checkpoints -------------------------------------------------------------------
     def local_state_dict(self, cast_to_cpu: bool = True, gather_if_shard: bool = True,
@@ -354,21 +325,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             fp32_states_only: only the inner optimizer's state (no loss scaler, no masters).
         """
         del gather_if_shard  # slices carry their layout: see the docstring
-        inner = self.optimizer.state_dict()
-        if sharded_data_parallel.enabled():  # this rank's chunks of the sharded state
-            inner = sharded_data_parallel.local_optimizer_state(inner)
+        inner = self._mode.local_inner_state(self.optimizer.state_dict())
         out = {"optimizer_state_dict": inner, "_smp_is_partial": True}
         if not fp32_states_only:
             out.update({"loss_scaler": self.scaler.state_dict(),
                         "dynamic_loss_scale": self.scaler.dynamic, "overflow": self.overflow,
                         "skipped_steps": self.skipped_steps, "steps": self.steps})
-            if self.mixed_precision and self._masters is not None:
-                out["fp32_from_fp16_params"] = self._masters.master_tensors()
-        if _shard_optimizer_state() and self._masters is not None:
-            out["sharded_layout"] = self._masters.layout()
-        if sharded_data_parallel.enabled():
-            out["sdp_layout"] = {"sdp": state.topology.rdp,
-                                 "rank": state.topology.rdp_rank(state.rank)}
+            if self.mixed_precision and self._mode.masters is not None:
+                out["fp32_from_fp16_params"] = self._mode.masters.master_tensors()
+        out.update(self._mode.layout_entries())
         return _to_cpu(out) if cast_to_cpu else out
 
     def state_dict(self) -> dict:
@@ -388,53 +353,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             CheckpointError: the masters saved do not match this optimizer's parameters.
         """
-        if not self._stage_state_built:  # before the first step's partitioning (pp > 1)
+        if isinstance(self._mode, Unpartitioned):  # before the first step's partitioning
             self._pending_load = state_dict
             return
         sd = state_dict
         if "mp_rank_states" in sd:
             sd = sd["mp_rank_states"][state.topology.mp_rank(state.rank)]
-        if _shard_optimizer_state():
-            from .sharded_optimizer import check_layout, reshard_state
-            if "_smp_reshard" in sd:  # every saved rdp rank's state (checkpointing.py)
-                sd = reshard_state(sd["_smp_reshard"], self._masters)
-            check_layout(sd, self._masters)
-        inner = sd.get("optimizer_state_dict", sd)
-        if sharded_data_parallel.enabled():
-            inner = sharded_data_parallel.restore_optimizer_state(_sdp_part(sd), self.optimizer)
-        self.optimizer.load_state_dict(inner)
+        sd = self._mode.prepare_load(sd)
+        self.optimizer.load_state_dict(self._mode.inner_state_to_load(sd))
         self._share_inner()  # torch's load replaces the param_groups list
         if "loss_scaler" in sd:
             self.scaler.load_state_dict(sd["loss_scaler"])
         self.overflow = bool(sd.get("overflow", False))
         self.skipped_steps = int(sd.get("skipped_steps", 0))
         self.steps = int(sd.get("steps", 0))
-        if self._masters is not None:
+        masters = self._mode.masters
+        if masters is not None:
             if "fp32_from_fp16_params" in sd:
-                self._masters.load_master_tensors(sd["fp32_from_fp16_params"])
+                masters.load_master_tensors(sd["fp32_from_fp16_params"])
             else:
-                self._masters.copy_from_model()
+                masters.copy_from_model()
 
     def __repr__(self) -> str:
         mode = "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
-        return f"DistributedOptimizer({mode}, {self.scaler!r}, inner={type(self.optimizer).__name__})"
-
-
-def _make_scaler(fp16, static_loss_scale, dynamic_loss_scale, dynamic_loss_args, flat):
-    args = dict(dynamic_loss_args or {})
-    for key, value in flat.items():
-        args[key] = value
-    unknown = sorted(set(args) - set(DYNAMIC_LOSS_ARGS))
-    if unknown:
-        raise SMPConfigError(
-            f"DistributedOptimizer got unknown loss-scale argument(s) {unknown}; valid keys are "
-            f"{sorted(DYNAMIC_LOSS_ARGS)} (in dynamic_loss_args={{...}} or as keywords)",
-            key=unknown[0], value=args[unknown[0]])
-    if not fp16:
-        return StaticLossScaler(1.0)  # loss-scale arguments act only with fp16, as in smp
-    if dynamic_loss_scale:
-        return DynamicLossScaler(**{**DYNAMIC_LOSS_ARGS, **args})
-    return StaticLossScaler(1.0 if static_loss_scale is None else static_loss_scale)
+        return (f"DistributedOptimizer({mode}, {self._mode.name}, {self.scaler!r}, "
+                f"inner={type(self.optimizer).__name__})")
 
 
 def _partitioned() -> bool:
@@ -443,58 +386,6 @@ def _partitioned() -> bool:
     if model is not None:
         return bool(model.partitioned)
     return state.topology is None or state.topology.pp == 1
-
-
-def _counts_in_norm(p) -> bool:
-    """A parameter's gradient counts in the global norm on this rank (internals.md)."""
-    if getattr(p, "_smp_tied_duplicate", False):
-        return False
-    if getattr(p, "_smp_distributed", False):
-        return True
-    topo = state.topology
-    return topo is None or topo.tp_rank(state.rank) == 0
-
-
-def _shard_optimizer_state() -> bool:
-    return bool(state.cfg.shard_optimizer_state)
-
-
-def _reduction_group():
-    """The group overflow and norms are agreed over, or None when it is this rank alone."""
-    if state.groups is None or not dist.is_initialized():
-        return None
-    sharded = bool(state.cfg.shard_optimizer_state) or sharded_data_parallel.enabled()
-    group = state.groups.world if sharded else state.groups.mp
-    return group if dist.get_world_size(group) > 1 else None
-
-
-def _sdp_part(sd: dict) -> dict:
-    """The inner state of a sharded-data-parallel save, checked to be this rank's chunk.
-
-    Raises:
-        CheckpointError: saved without sharded data parallelism, or with another degree.
-    """
-    from .errors import CheckpointError
-    saved = sd.get("sdp_layout") if "_smp_reshard" not in sd else {"sdp": len(sd["_smp_reshard"])}
-    here = state.topology.rdp
-    if saved is None or saved["sdp"] != here:
-        was = "without sharded data parallelism" if saved is None else \
-            f"with sharded_data_parallel_degree {saved['sdp']}"
-        raise CheckpointError(
-            f"optimizer state was saved {was}, this job has sharded_data_parallel_degree "
-            f"{here}: resume with the same degree, or load the weights alone "
-            f"(load_optimizer=False)")
-    return sd["optimizer_state_dict"]
-
-
-def _remap_state(optimizer, masters: MasterParams) -> None:
-    """Move state an optimizer already holds for model params onto their masters."""
-    for p in list(optimizer.state):
-        master = masters.model_to_master.get(id(p))
-        if master is not None:
-            optimizer.state[master] = {
-                k: (v.float() if torch.is_tensor(v) and v.is_floating_point() and v.dim() else v)
-                for k, v in optimizer.state.pop(p).items()}
 
 
 def _to_cpu(obj):
@@ -506,29 +397,3 @@ def _to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
-
-
-def _power_sums(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """One sum of |g|^p (max for inf) per device over `grads`, each norm taken in fp32 by a
-    multi-tensor kernel (one launch per device, not one per parameter)."""
-    by_device: dict = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    out = []
-    for items in by_device.values():
-        norms = torch.stack(torch._foreach_norm(items, norm_type, dtype=torch.float32))
-        out.append(norms.max() if math.isinf(norm_type) else norms.double().pow(norm_type).sum())
-    return out
-
-
-def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    # A 1-element fp32 tensor, not a Python float: fp16 * fp32-tensor computes in fp32, where
-    # fp16 * python-float would round the unscaled gradient to fp16 (small grads underflow).
-    return torch.full((1,), value, dtype=torch.float32, device=like.device)
-
-
-def _device_of(param_groups) -> torch.device:
-    for group in param_groups:
-        for p in group["params"]:
-            return p.device
-    return state.device or torch.device("cpu")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .precision_modes import counts_in_norm  # the rule DistributedOptimizer's clipping uses
 from .state import state
 
 __all__ = ["FusedLAMB"]
@@ -122,13 +123,11 @@ class FusedLAMB(torch.optim.Optimizer):
 
 def _global_grad_norm(param_groups) -> torch.Tensor:
     """L2 norm of every gradient, over the model-parallel ranks (each parameter once)."""
-    from .optimizer import _counts_in_norm  # the rule DistributedOptimizer's clipping uses
-
     params = [p for g in param_groups for p in g["params"] if p.grad is not None]
     device = params[0].grad.device
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        if _counts_in_norm(p):
+        if counts_in_norm(p):
             sq = sq + p.grad.detach().double().pow(2).sum().to(device)
     group = _mp_group()
     if group is not None:

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .errors import CheckpointError, SMPConfigError
-from .fp16.master_params import MasterParams
+from .fp16.master_params import MasterParams, power_sum
 from .state import state
 
 __all__ = ["enabled", "shard_model", "SdpMasters", "is_sharded",
@@ -220,8 +220,7 @@ class _ShardBucket:
 
     def grad_power_sums(self, norm_type: float, *, master: bool = False):
         del master  # one gradient: the chunk
-        from .sharded_optimizer import _power_sum
-        value = _power_sum(self.master_grad, norm_type)
+        value = power_sum(self.master_grad, norm_type)
         zero = torch.zeros((), dtype=torch.float64, device=value.device)
         return (value, zero) if self.counted else (zero, value)
 
@@ -233,9 +232,6 @@ class _ShardBucket:
 
     def copy_from_model(self) -> None:
         """The master is the model's shard: nothing to copy."""
-
-    def add_master_grads(self) -> None:
-        """The gradient chunk is the master gradient: always present."""
 
     def zero_grad(self) -> None:
         self.master.grad = None
@@ -288,10 +284,6 @@ class SdpMasters(MasterParams):
                 bucket.zero_grad()
         for p in self.full_precision:
             p.grad = None
-
-    @property
-    def has_half(self) -> bool:
-        return any(not isinstance(b, _ShardBucket) for b in self.buckets)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of masters, master gradients and inner state held on this rank."""

@@ -37,9 +37,6 @@ RAdam, Adagrad, RMSprop, Rprop. Others (LAMB's per-tensor trust ratio, LBFGS) ar
 Checkpoints (`layout()` / `reshard_state`): each rank saves its slice; the slices of all
 saved ranks concatenated are the bucket's full flat state (the layout inside a bucket does
 not depend on rdp, only the trailing padding does), so a checkpoint loads into another rdp.
-
-Size: just over the 400-line guide: the bucket layout, the step and the resharding of
-checkpoints into another rdp belong to one data structure.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, SMPConfigError
-from .fp16.master_params import HALF_DTYPES
+from .fp16.master_params import HALF_DTYPES, power_sum
 from .state import state
 
 __all__ = ["ShardedBucket", "ShardedMasters", "ELEMENTWISE_OPTIMIZERS", "reshard_state",
@@ -165,7 +162,7 @@ class ShardedBucket:
         """(counted, uncounted) sums of |g|^p over this rank's slice (fp64 scalars)."""
         flat = self.master_grad if master else self.reduced
         cut = min(max(self.counted_end - self.start, 0), self.chunk)
-        return _power_sum(flat[:cut], norm_type), _power_sum(flat[cut:], norm_type)
+        return power_sum(flat[:cut], norm_type), power_sum(flat[cut:], norm_type)
 
     def unscale_into_master(self, factor: torch.Tensor) -> None:
         torch.mul(self.reduced, factor, out=self.master_grad)
@@ -187,16 +184,6 @@ class ShardedBucket:
         self.flat_grad.zero_()
         self.attach_grads()
         self._reduced_now = False
-
-    def add_master_grads(self) -> None:
-        """Always present (the fused step is never used with sharding)."""
-
-
-def _power_sum(x: torch.Tensor, norm_type: float) -> torch.Tensor:
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=x.device)
-    norm = torch.linalg.vector_norm(x, norm_type, dtype=torch.float32).double()
-    return norm if norm_type == float("inf") else norm.pow(norm_type)
 
 
 class ShardedMasters:
@@ -239,7 +226,6 @@ class ShardedMasters:
         self.full_precision: list = []          # frozen parameters, left to the inner step
         self.full_precision_counted: list[bool] = []
         self.model_to_master: dict = {}         # no one-to-one masters: slices cut params
-        self.master_grads = True
         self._group_buckets: list[list[ShardedBucket]] = []
         for group in optimizer.param_groups:
             self.add_group(group)
@@ -263,18 +249,6 @@ class ShardedMasters:
         self.full_precision.extend(rest)
         self.full_precision_counted.extend(False for _ in rest)
         group["params"] = [b.master for b in buckets] + rest
-
-    def add_master_grads(self) -> None:
-        """Present from the start (see ShardedBucket.add_master_grads)."""
-
-    @property
-    def has_half(self) -> bool:
-        return any(b.half for b in self.buckets)
-
-    def model_params(self):
-        for bucket in self.buckets:
-            yield from bucket.params
-        yield from self.full_precision
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for bucket in self.buckets:

@@ -247,9 +247,8 @@ def _apply_partial(model, optimizer, pending: dict, strict: bool, load_optimizer
 
 def _refresh_masters(optimizer) -> None:
     """fp32 masters = the (just loaded) half weights, else the next step would undo the load."""
-    masters = getattr(optimizer, "_masters", None)
-    if masters is not None:
-        masters.copy_from_model()
+    if optimizer is not None:
+        optimizer.reload_masters_from_model()
 
 
 def _resume_full(path: str, tag, strict: bool, translate_function):

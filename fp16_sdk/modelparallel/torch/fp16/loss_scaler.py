@@ -23,7 +23,7 @@ import warnings
 
 from ..errors import SMPConfigError
 
-__all__ = ["DynamicLossScaler", "StaticLossScaler", "DYNAMIC_LOSS_ARGS"]
+__all__ = ["DynamicLossScaler", "StaticLossScaler", "DYNAMIC_LOSS_ARGS", "make_scaler"]
 
 # Keys DistributedOptimizer accepts in dynamic_loss_args (or flattened), with smp's defaults.
 DYNAMIC_LOSS_ARGS = {
@@ -195,6 +195,31 @@ class StaticLossScaler:
 
     def __repr__(self) -> str:
         return f"StaticLossScaler(scale={self.cur_scale:g})"
+
+
+def make_scaler(*, fp16: bool, static_loss_scale, dynamic_loss_scale: bool, args: dict):
+    """The scaler DistributedOptimizer's arguments ask for.
+
+    Args:
+        fp16: fp16 training; otherwise the scale is 1.0 whatever the arguments (as in smp).
+        static_loss_scale: the constant scale (None means 1.0).
+        dynamic_loss_scale: use DynamicLossScaler.
+        args: dynamic_loss_args merged with the flattened keywords (keys of DYNAMIC_LOSS_ARGS).
+
+    Raises:
+        SMPConfigError: an unknown key in `args`, or a value out of range.
+    """
+    unknown = sorted(set(args) - set(DYNAMIC_LOSS_ARGS))
+    if unknown:
+        raise SMPConfigError(
+            f"DistributedOptimizer got unknown loss-scale argument(s) {unknown}; valid keys are "
+            f"{sorted(DYNAMIC_LOSS_ARGS)} (in dynamic_loss_args={{...}} or as keywords)",
+            key=unknown[0], value=args[unknown[0]])
+    if not fp16:
+        return StaticLossScaler(1.0)  # loss-scale arguments act only with fp16, as in smp
+    if dynamic_loss_scale:
+        return DynamicLossScaler(**{**DYNAMIC_LOSS_ARGS, **args})
+    return StaticLossScaler(1.0 if static_loss_scale is None else static_loss_scale)
 
 
 def _is_int(value) -> bool:

@@ -21,13 +21,13 @@ global gradient norm come first: the norm is a reduction over a prefix of the bu
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["FlatBucket", "MasterParams", "HALF_DTYPES"]
+__all__ = ["FlatBucket", "MasterParams", "HALF_DTYPES", "power_sum"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN = 64  # elements: 128 B for fp16, 256 B for fp32
@@ -123,7 +123,7 @@ class FlatBucket:
         """
         flat = self.master_grad if master else self.half_grad
         parts = (flat[:self.counted_end], flat[self.counted_end:])
-        return tuple(_power_sum(part, norm_type) for part in parts)
+        return tuple(power_sum(part, norm_type) for part in parts)
 
     def unscale_into_master(self, factor: torch.Tensor) -> None:
         """master_grad = fp32(half_grad) * factor, one kernel (factor: 1-element fp32 tensor)."""
@@ -138,7 +138,8 @@ class FlatBucket:
         self.master.copy_(self.half)
 
 
-def _power_sum(x: torch.Tensor, norm_type: float) -> torch.Tensor:
+def power_sum(x: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum |x|^p (max |x| for p = inf) of a flat tensor as an fp64 scalar, reduced in fp32."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=x.device)
     norm = torch.linalg.vector_norm(x, norm_type, dtype=torch.float32).double()
@@ -201,15 +202,6 @@ class MasterParams:
         for bucket in self.buckets:
             bucket.add_master_grads()
 
-    @property
-    def has_half(self) -> bool:
-        return bool(self.buckets)
-
-    def model_params(self) -> Iterable[torch.nn.Parameter]:
-        for bucket in self.buckets:
-            yield from bucket.params
-        yield from self.full_precision
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the half grads (one kernel per bucket; views stay attached) and fp32 grads."""
         for bucket in self.buckets:
@@ -230,6 +222,13 @@ class MasterParams:
     def copy_from_model(self) -> None:
         for bucket in self.buckets:
             bucket.copy_from_model()
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes this rank holds for optimizer state: inner state, masters, master grads."""
+        total = sum(t.nbytes for s in optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim())
+        return total + sum(b.master.nbytes + (b.master_grad.nbytes if b.master_grad is not None
+                                              else 0) for b in self.buckets)
 
     def master_tensors(self) -> list[list[torch.Tensor]]:
         """The masters per param group, in the group's parameter order (for checkpoints)."""
