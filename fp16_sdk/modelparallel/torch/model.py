@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import model_state, sharded_data_parallel
+from . import delayed_init, model_state, sharded_data_parallel
 from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
 from .fp16.module import BF16Module, FP16Module
 from .nn.auto import distribute_tensor_parallel
@@ -90,6 +90,7 @@ class DistributedModel(nn.Module):
             return existing  # __init__ then checks the arguments and changes nothing
         return super().__new__(cls)
 
+    @delayed_init.not_delayed  # a wrap inside an open creation context builds real tensors
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
                  trace_execution_times: bool = False, overlapping_allreduce: bool = True,
                  backward_passes_per_step: int = 1, average_grads_across_microbatches: bool = True,
@@ -121,14 +122,12 @@ class DistributedModel(nn.Module):
             raise SMPConfigError(f"bucket_cap_mb ({bucket_cap_mb!r}) must be > 0",
                                  key="bucket_cap_mb", value=bucket_cap_mb)
         super().__init__()
-        from .delayed_init import materialize
-        if materialize(module) is not None and state.rank == 0:  # delayed init: stage's share
-            from .memory_report import wrap_line
-            logging.getLogger("smp").info(wrap_line())
+        delayed = delayed_init.begin(module)  # meta parameters: placeholders, this rank's share
         self._wrapped_input = weakref.ref(module)  # what the script passed (TP may replace it)
         self._wrap_args = given
         if state.topology.tp > 1:
             module = distribute_tensor_parallel(module)
+        delayed_init.after_tensor_parallel(delayed, module)
         if "transformers" in sys.modules:  # smp v1's names (transformer.seq_layers, ...) on HF models
             from .nn.huggingface.v1_names import add_v1_names
             add_v1_names(module)
@@ -209,7 +208,8 @@ class DistributedModel(nn.Module):
         topo = state.topology
         if topo.dp == 1 and topo.rdp == 1:
             return  # one replica: nothing to make equal (and no module walk every step)
-        tensors = [t for _, t in (self.local_named_parameters() if params else ())]
+        tensors = [t for _, t in (self.local_named_parameters() if params else ())
+                   if not delayed_init.is_delayed(t)]  # delayed init: equal by construction
         tensors += [t for _, t in self.local_named_buffers()]
         for distributed, kind in ((False, "dp"), (True, "rdp")):
             chosen = [t for t in tensors if _is_scaled_batch(t) is distributed]
