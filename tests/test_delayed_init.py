@@ -64,9 +64,13 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                s = t.untyped_storage()
-                if s.data_ptr() and s.data_ptr() not in self.live:
-                    self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+                try:
+                    s = t.untyped_storage()
+                    ptr = s.data_ptr()
+                except RuntimeError:  # a wrapper subclass (FSDP's DTensor): no storage of its
+                    continue          # own; its local tensor was counted when it was made
+                if ptr and ptr not in self.live:
+                    self.live[ptr] = (StorageWeakRef(s), s.nbytes())
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
