@@ -88,6 +88,8 @@ def _grads(model) -> dict:
 
 def _run(rank, world, config, delayed, kind, inside):
     """Build (measuring live bytes), gather the initial parameters, train 3 steps."""
+    if kind == "gpt2":
+        import transformers  # noqa: F401  (before the creation context, as scripts do)
     torch.cuda.is_available = lambda: False
     torch.set_num_threads(1)
     smp.init({"ddp": True, "microbatches": 2 if config.get("pipeline_parallel_degree") else 1,
@@ -121,6 +123,8 @@ def _run(rank, world, config, delayed, kind, inside):
 def _initial(rank, world, config, delayed, kind):
     """The gathered parameters right after wrap (pp: after the first step's partitioning,
     with a zero learning rate so the step changes nothing)."""
+    if kind == "gpt2":
+        import transformers  # noqa: F401  (before the creation context, as scripts do)
     torch.cuda.is_available = lambda: False
     torch.set_num_threads(1)
     pp = config.get("pipeline_parallel_degree", 1)
@@ -201,3 +205,24 @@ def test_hf_gpt2_values_and_training_equal_eager(name):
     full, block = _nbytes(_gpt2())
     for d in delayed:
         assert d["report"]["peak_bytes"] < full / 2 + 1.5 * block
+
+
+def _hf_imported_inside(rank, world):
+    import sys
+    assert "transformers" not in sys.modules  # a fresh process: first imported below
+    torch.cuda.is_available = lambda: False
+    smp.init({"ddp": True})
+    with smp.delay_param_initialization():
+        module = _gpt2()
+    try:
+        smp.DistributedModel(module)
+    except smp.SMPConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_transformers_first_imported_inside_the_context_is_refused():
+    """Its post_init could not be recorded: an error naming the fix, not wrong values."""
+    pytest.importorskip("transformers")
+    message = run_ranks(_hf_imported_inside, 1, timeout=200)[0]
+    assert message and "import transformers before opening" in message

@@ -386,6 +386,14 @@ def _check_inits(root: nn.Module) -> None:
     transformers = sys.modules.get("transformers")
     hf = transformers is not None and isinstance(root, transformers.PreTrainedModel)
     for m in root.modules():
+        if hf and isinstance(m, transformers.PreTrainedModel) and \
+                "_smp_hf_init" not in m.__dict__ and has_meta(m):
+            raise SMPConfigError(
+                f"delayed parameter initialization: {type(m).__name__} was created without "
+                f"its post_init being recorded (transformers was first imported inside the "
+                f"creation context); import transformers before opening "
+                f"smp.model_creation / smp.delay_param_initialization",
+                key="delayed_parameter_initialization", value=type(m).__name__)
         if not any(p is not None and p.is_meta for p in m._parameters.values()):
             continue
         if _init_fn(m) is None and not hf and "_smp_hf_init" not in m.__dict__:
