@@ -57,9 +57,10 @@ def wrap_line() -> str | None:
     report = state.delayed_init_report
     if report is None:
         return None
-    return (f"delayed parameter initialization ({report['layout']}): this rank holds "
+    return (f"delayed parameter initialization: this rank holds "
             f"{_mib(report['local_bytes'])} of the model's {_mib(report['model_bytes'])} of "
-            f"parameters; it materialised {_mib(report['materialised_bytes'])} in all, at most "
+            f"parameters ({report['layout']}); it materialised "
+            f"{_mib(report['materialised_bytes'])} in all, at most "
             f"{_mib(report['peak_bytes'])} at once")
 
 

@@ -117,6 +117,7 @@ def shard_model(module: nn.Module) -> dict:
                 if p.numel() == 0 and delayed is not None:
                     p._smp_via_half = p.dtype  # realised later: rounded through half as eager
                 p.data = p.data.float()  # the fp32 master is the widened half value
+    params = p = None  # no reference left here: each unit's replaced tensors free as it shards
     policy = MixedPrecisionPolicy(param_dtype=next(iter(half)) if half else None,
                                   reduce_dtype=torch.float32 if half else None)
     mesh = DeviceMesh.from_group(state.groups.rdp, state.device.type)
