@@ -81,7 +81,8 @@ from .errors import SMPConfigError
 from .state import state
 
 __all__ = ["meta_parameters", "not_delayed", "begin", "after_tensor_parallel",
-           "realise_module", "release_module", "has_meta", "is_delayed", "full_numel",
+           "realise_module", "release_module", "has_meta", "is_delayed", "is_agreed",
+           "full_numel",
            "plan_of", "trace_units", "check_partition"]
 
 _original_register = nn.Module.register_parameter
@@ -207,6 +208,11 @@ def has_meta(module: nn.Module) -> bool:
 def is_delayed(t) -> bool:
     """A parameter created by delayed initialization (agreed across ranks: not broadcast)."""
     return bool(getattr(t, "_smp_delayed_init", False))
+
+
+def is_agreed(t) -> bool:
+    """Equal on every rank by construction: delayed, or a TP slice of a delayed weight."""
+    return is_delayed(t) or bool(getattr(t, "_smp_agreed", False))
 
 
 def _pending_placeholder(p) -> bool:
@@ -488,10 +494,17 @@ def realise_module(module: nn.Module) -> None:
         _active.realise(list(module.parameters()))
 
 
-def release_module(module: nn.Module) -> None:
-    """TP distribution: the whole tensors of `module`, now sliced into its replacement."""
-    if _active is not None:
-        _active.release(list(module.parameters()))
+def release_module(module: nn.Module, replacement: nn.Module) -> None:
+    """TP distribution: the whole tensors of `module`, now sliced into `replacement`, whose
+    parameters are then equal on every rank by construction (`_smp_agreed`: the wrap-time
+    broadcast skips them, as it skips realised ones, so no flat copy of them is made)."""
+    if _active is None:
+        return
+    params = list(module.parameters())
+    if params and all(is_delayed(p) for p in params):
+        for p in replacement.parameters():
+            p._smp_agreed = True
+    _active.release(params)
 
 
 def after_tensor_parallel(plan: _Plan | None, module: nn.Module) -> None:

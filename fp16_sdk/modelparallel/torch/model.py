@@ -209,7 +209,7 @@ class DistributedModel(nn.Module):
         if topo.dp == 1 and topo.rdp == 1:
             return  # one replica: nothing to make equal (and no module walk every step)
         tensors = [t for _, t in (self.local_named_parameters() if params else ())
-                   if not delayed_init.is_delayed(t)]  # delayed init: equal by construction
+                   if not delayed_init.is_agreed(t)]  # delayed init: equal by construction
         tensors += [t for _, t in self.local_named_buffers()]
         for distributed, kind in ((False, "dp"), (True, "rdp")):
             chosen = [t for t in tensors if _is_scaled_batch(t) is distributed]

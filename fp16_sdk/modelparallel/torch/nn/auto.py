@@ -153,7 +153,7 @@ def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
         log.info("tensor parallelism: %s (%s) left whole: %s", path, type(module).__name__, err)
         return None
     _copy_weights(module, dist_module, path)
-    release_module(module)
+    release_module(module, dist_module)
     _attach_hooks(dist_module, reg)
     log.info("tensor parallelism: %s (%s) -> %s over %d ranks", path, type(module).__name__,
              reg.dist_module.__name__, ctx.size)

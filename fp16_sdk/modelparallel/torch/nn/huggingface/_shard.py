@@ -175,7 +175,7 @@ def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None
         original = getattr(parent, name)
         setattr(parent, name, ShardedLinear(original, style=split.style, parts=split.parts,
                                             conv1d=arch.conv1d, tp_context=ctx))
-        release_module(original)
+        release_module(original, getattr(parent, name))
         known.add(split.path)
     for sub_path, sub in block.named_modules():
         if _is_projection(sub) and sub_path not in known:
