@@ -47,6 +47,11 @@ Who realises what (peak host memory while creating and wrapping, per rank):
                         the whole one; the rest (replicated) after  ~1/tp + one block
     sdp > 1             shard_model realises one FSDP unit, fully_shard's it and frees the
                         whole tensors, unit by unit                ~1/sdp + one layer
+    tp > 1, sdp > 1     TP as above, then FSDP shards the TP shards unit by unit (the TP
+                        shards all exist before FSDP runs)         ~1/tp + one block
+
+A TP slice of a realised weight is marked `_smp_agreed` (equal on every rank, like a realised
+parameter): the wrap-time broadcasts skip both, so no flat copy of the model is made.
 
 Why realise-then-shard and not torch's documented meta route for FSDP2 (fully_shard on meta,
 `to_empty`, then init per shard): an init applied per shard cannot reproduce eager values
