@@ -121,8 +121,10 @@ class SMPParameters(_Strict):
     delayed_parameter_initialization: bool = Field(
         False, description="Modules created in smp.model_creation get meta parameters; at "
                            "DistributedModel each rank materialises and initialises only its "
-                           "pipeline stage's (same values as eager creation with the same "
-                           "seed). Not with tensor_parallel_degree > 1.")
+                           "pipeline stage, tensor-parallel shard or sharded-data-parallel "
+                           "chunks (same values as eager creation with the same seed). Not "
+                           "with pipeline_parallel_degree > 1 and tensor_parallel_degree > 1 "
+                           "together.")
     sharded_data_parallel_degree: int = Field(
         1, ge=1, description="Sharded data parallelism degree (ZeRO-3 style sharding of "
                              "parameters, gradients and optimizer state, on torch FSDP2). Must "

@@ -1,9 +1,10 @@
 """Delayed parameter initialization against eager creation.
 
-References: the same model created eagerly with the same seed (values, and the losses of 3
-training steps), the refusal at pp=2 on 2 Gloo ranks, the model's parameter bytes, and the live bytes of
-every CPU storage allocated during creation and wrapping (a TorchDispatchMode with weak
-references to storages: a storage counts while it is alive).
+References: the same model created eagerly with the same seed (values), the refusals at
+pp=2 x tp=2 and of a partition changed after wrapping on real Gloo ranks, and the live bytes
+of every CPU storage allocated during creation and wrapping (a TorchDispatchMode with weak
+references to storages: a storage counts while it is alive; used by
+test_delayed_init_parallel.py, which covers pp=2, tp=2 and sdp=2).
 """
 
 from __future__ import annotations
@@ -63,9 +64,13 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else [out]):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                s = t.untyped_storage()
-                if s.data_ptr() and s.data_ptr() not in self.live:
-                    self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+                try:
+                    s = t.untyped_storage()
+                    ptr = s.data_ptr()
+                except RuntimeError:  # a wrapper subclass (FSDP's DTensor): no storage of its
+                    continue          # own; its local tensor was counted when it was made
+                if ptr and ptr not in self.live:
+                    self.live[ptr] = (StorageWeakRef(s), s.nbytes())
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
@@ -86,9 +91,10 @@ def _build(delayed: bool):
     return model, module, counter.peak, on_meta
 
 
-def _refused_at_pp2(rank, world):
+def _refused_at_pp2_tp2(rank, world):
     torch.cuda.is_available = lambda: False
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+              "ddp": True})
     try:
         _build(True)
     except smp.SMPConfigError as exc:
@@ -97,13 +103,42 @@ def _refused_at_pp2(rank, world):
 
 
 @pytest.mark.slow
-def test_pp2_delayed_init_is_refused_until_the_pipeline_can_trace_on_meta():
-    """The pipeline partitions at the first step after tracing the whole model, so delayed
-    initialization (which would free other stages' parameters at wrap time) is refused at
-    pp > 1 with an error naming the key, instead of a trace over missing parameters."""
-    for message in run_ranks(_refused_at_pp2, 2):
+def test_pp2_x_tp2_delayed_init_is_refused_naming_the_keys():
+    """pp > 1 with tp > 1 is the one layout delayed initialization does not build (the
+    partition is decided on the tensor-parallel model): refused at wrap, naming both keys
+    and the fix, on every rank (pp=2 and tp=2 alone: test_delayed_init_parallel.py)."""
+    for message in run_ranks(_refused_at_pp2_tp2, 4, timeout=300):
         assert message and "delayed_parameter_initialization" in message
-        assert "pipeline_parallel_degree 2" in message
+        assert "pipeline_parallel_degree 2" in message and "tensor_parallel_degree 2" in message
+
+
+def _partition_changed_after_wrap(rank, world):
+    torch.cuda.is_available = lambda: False
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False,
+              "default_partition": 0, "ddp": True})
+    torch.manual_seed(0)
+    with smp.delay_param_initialization():
+        module = LM()
+    for i, block in enumerate(module.blocks):
+        smp.set_partition(block, int(i >= 4))
+    model = smp.DistributedModel(module)
+    smp.set_partition(module.blocks[3], 1)  # after wrapping: the stage-0 share is realised
+
+    @smp.step
+    def step(m, ids):
+        m.backward(m(ids).sum())
+    try:
+        step(model, torch.zeros(2, 3, dtype=torch.long))
+    except smp.SMPConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_a_partition_changed_after_wrapping_is_refused_at_the_first_step():
+    for message in run_ranks(_partition_changed_after_wrap, 2, timeout=300):
+        assert message and "[0, 0, 0, 0, 1, 1, 1, 1]" in message
+        assert "[0, 0, 0, 1, 1, 1, 1, 1]" in message and "before smp.DistributedModel" in message
 
 
 @pytest.fixture
@@ -168,3 +203,22 @@ def test_hf_gpt2_values_equal_eager_creation(init):
     want = eager.state_dict()
     for name, value in module.state_dict().items():
         assert torch.equal(value, want[name]), name
+
+
+def test_wrapping_inside_the_creation_context_materialises_every_parameter(init):
+    """smp.DistributedModel(...) inside smp.model_creation(delayed_param_initialization=True)
+    (AWS's scripts do so): no meta parameter is left, values equal eager creation's, and a
+    module created after the wrap inside the same context is delayed again."""
+    torch.manual_seed(0)
+    eager = LM()
+    torch.manual_seed(0)
+    with smp.model_creation(delayed_param_initialization=True):
+        module = LM()
+        model = smp.DistributedModel(module)
+        later = nn.Linear(2, 2)
+    assert not [n for n, p in model.named_parameters() if p.is_meta]
+    for (name, a), b in zip(eager.named_parameters(), module.parameters()):
+        assert torch.equal(a, b), name
+    assert later.weight.is_meta
+    report = state.delayed_init_report
+    assert report["model_bytes"] == _model_bytes() == report["local_bytes"]

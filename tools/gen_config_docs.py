@@ -41,7 +41,8 @@ RULES = """
 - `active_microbatches` defaults to `pipeline_parallel_degree + 2`.
 - `offload_activations` acts on the modules given to `smp.set_activation_checkpointing` (their
   inputs wait in host memory); `delayed_parameter_initialization` with
-  `tensor_parallel_degree > 1` is refused when the model is wrapped.
+  `pipeline_parallel_degree > 1` and `tensor_parallel_degree > 1` together is refused when the
+  model is wrapped.
 - `sharded_data_parallel_degree` above 1 (on torch FSDP2) must equal `world / (pp * tp)`,
   needs `pipeline_parallel_degree` 1 (as in smp v1) and excludes `shard_optimizer_state`;
   it composes with `tensor_parallel_degree`. Parameters with fewer than

@@ -40,9 +40,11 @@ def startup_line(cfg, topology) -> str:
                      f"memory, loaded {cfg.activation_loading_horizon} modules ahead "
                      f"(acts only on modules given to smp.set_activation_checkpointing)")
     if cfg.delayed_parameter_initialization:
+        n = topology.pp * topology.tp * max(cfg.sharded_data_parallel_degree, 1)
         parts.append(f"delayed_parameter_initialization on: modules created in "
                      f"smp.model_creation hold meta parameters until wrap time, then each "
-                     f"rank materialises its stage (~1/{topology.pp} of the model)")
+                     f"rank materialises its stage/shard only (~1/{n} of the model plus "
+                     f"one block)")
     return "memory: " + ("; ".join(parts) if parts else "no memory-saving feature on "
                          "(shard_optimizer_state, sharded_data_parallel_degree, "
                          "offload_activations, "
@@ -54,9 +56,11 @@ def wrap_line() -> str | None:
     report = state.delayed_init_report
     if report is None:
         return None
-    return (f"delayed parameter initialization: this rank holds {_mib(report['local_bytes'])} "
-            f"of the model's {_mib(report['model_bytes'])} of parameters (host peak while "
-            f"materialising {_mib(report['peak_bytes'])})")
+    return (f"delayed parameter initialization: this rank holds "
+            f"{_mib(report['local_bytes'])} of the model's {_mib(report['model_bytes'])} of "
+            f"parameters ({report['layout']}); it materialised "
+            f"{_mib(report['materialised_bytes'])} in all, at most "
+            f"{_mib(report['peak_bytes'])} at once")
 
 
 def optimizer_line(masters, *, mixed_precision: bool) -> str:
@@ -88,6 +92,7 @@ def health_figures(opt) -> str:
                      f"({s.prefetched} prefetched)")
     report = state.delayed_init_report
     if report is not None:
-        parts.append(f"parameters materialised {_mib(report['local_bytes'])} of "
-                     f"{_mib(report['model_bytes'])}")
+        parts.append(f"parameters materialised {_mib(report['materialised_bytes'])} "
+                     f"(held {_mib(report['local_bytes'])}, at most "
+                     f"{_mib(report['peak_bytes'])} at once) of {_mib(report['model_bytes'])}")
     return "; ".join(parts)

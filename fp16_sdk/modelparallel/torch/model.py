@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import replicas, sharded_data_parallel
+from . import delayed_init, replicas, sharded_data_parallel
 from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
 from .fp16.module import BF16Module, FP16Module
 from .nn.auto import distribute_tensor_parallel
@@ -76,6 +76,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             return existing  # __init__ then checks the arguments and changes nothing
         return super().__new__(cls)
 
+    @delayed_init.not_delayed  # a wrap inside an open creation context builds real tensors
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
                  trace_execution_times: bool = False, overlapping_allreduce: bool = True,
                  backward_passes_per_step: int = 1, average_grads_across_microbatches: bool = True,
@@ -107,14 +108,12 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             raise SMPConfigError(f"bucket_cap_mb ({bucket_cap_mb!r}) must be > 0",
                                  key="bucket_cap_mb", value=bucket_cap_mb)
         super().__init__()
-        from .delayed_init import materialize
-        if materialize(module) is not None and state.rank == 0:  # delayed init: stage's share
-            from .memory_report import wrap_line
-            logging.getLogger("smp").info(wrap_line())
+        delayed = delayed_init.begin(module)  # meta parameters: placeholders, this rank's share
         self._wrapped_input = weakref.ref(module)  # what the script passed (TP may replace it)
         self._wrap_args = given
         if state.topology.tp > 1:
             module = distribute_tensor_parallel(module)
+        delayed_init.after_tensor_parallel(delayed, module)
         if "transformers" in sys.modules:  # smp v1's names (transformer.seq_layers, ...) on HF models
             from .nn.huggingface.v1_names import add_v1_names
             add_v1_names(module)
@@ -219,7 +218,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         topo = state.topology
         if topo.dp == 1 and topo.rdp == 1:
             return  # one replica: nothing to make equal (and no module walk every step)
-        tensors = [t for _, t in (self.local_named_parameters() if params else ())]
+        tensors = [t for _, t in (self.local_named_parameters() if params else ())
+                   if not delayed_init.is_agreed(t)]  # delayed init: equal by construction
         tensors += [t for _, t in self.local_named_buffers()]
         replicas.broadcast_replicas(tensors)
 

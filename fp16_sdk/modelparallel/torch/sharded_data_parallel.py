@@ -99,7 +99,9 @@ def shard_model(module: nn.Module) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from .delayed_init import full_numel, plan_of
     cfg = state.cfg
+    delayed = plan_of(module)  # delayed init: each unit realised here, then sharded and freed
     params = list(module.parameters())
     # fully_shard replaces each parameter by a new DTensor one: keep the smp marks
     # (_smp_distributed, _smp_scaled_batch, ...) that decide reduction groups and norms.
@@ -107,30 +109,41 @@ def shard_model(module: nn.Module) -> dict:
              for name, p in module.named_parameters()}
     half = {p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)}
     threshold = cfg.sdp_param_persistence_threshold
-    ignored = {p for p in params if p.numel() < threshold or not p.requires_grad}
+    ignored = {p for p in params if full_numel(p) < threshold or not p.requires_grad}
     ignored_ids = {id(p) for p in ignored}
     with torch.no_grad():
         for p in params:
             if id(p) not in ignored_ids and p.dtype in half:
+                if p.numel() == 0 and delayed is not None:
+                    p._smp_via_half = p.dtype  # realised later: rounded through half as eager
                 p.data = p.data.float()  # the fp32 master is the widened half value
+    params = p = None  # no reference left here: each unit's replaced tensors free as it shards
     policy = MixedPrecisionPolicy(param_dtype=next(iter(half)) if half else None,
                                   reduce_dtype=torch.float32 if half else None)
     mesh = DeviceMesh.from_group(state.groups.rdp, state.device.type)
     claimed: set[int] = set()
     sizes = []
     for unit in _units(module) + [module]:
+        whole = list(unit.parameters())
+        if delayed is not None:
+            delayed.realise(whole)
         numel = _unit_numel(unit, claimed, ignored_ids)
         if numel == 0 and unit is not module:
             continue
         sizes.append((numel, unit))
         fully_shard(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored,
                     reshard_after_forward=True)
+        if delayed is not None:  # the whole tensors FSDP replaced by its shards
+            kept = {id(p) for p in unit.parameters()}
+            delayed.release([p for p in whole if id(p) not in kept])
         unit.set_gradient_divide_factor(1.0)  # plain sums: SdpMasters divides (module doc)
         unit.set_force_sum_reduction_for_comms(True)
         claimed.update(id(p) for p in unit.parameters())
     for pname, p in module.named_parameters():
         for key, value in marks.get(pname, {}).items():
             setattr(p, key, value)
+    if delayed is not None:
+        delayed.finish(f"sharded over sdp={state.topology.rdp}")
     largest, name = max((n, type(u).__name__) for n, u in sizes) if sizes else (0, "")
     if largest > cfg.sdp_max_live_parameters:
         raise SMPConfigError(

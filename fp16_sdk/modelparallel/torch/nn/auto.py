@@ -134,12 +134,14 @@ def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
     reg = registration_for(module)
     if reg is None or (reg.option and not opts.get(reg.option, False)):
         return None
+    from ..delayed_init import realise_module, release_module
     subtree = set(map(id, module.modules()))
     for p in module.parameters():
         if any(id(o) not in subtree for o in owners.get(id(p), [])):
             log.info("tensor parallelism: %s (%s) shares weights with another module; left whole",
                      path, type(module).__name__)
             return None
+    realise_module(module)  # delayed init: this module in full, freed once sliced
     args, kwargs = _constructor_args(module, reg, opts)
     if args is None:
         log.info("tensor parallelism: %s (%s) was created before its tp_register call; left "
@@ -151,6 +153,7 @@ def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
         log.info("tensor parallelism: %s (%s) left whole: %s", path, type(module).__name__, err)
         return None
     _copy_weights(module, dist_module, path)
+    release_module(module, dist_module)
     _attach_hooks(dist_module, reg)
     log.info("tensor parallelism: %s (%s) -> %s over %d ranks", path, type(module).__name__,
              reg.dist_module.__name__, ctx.size)

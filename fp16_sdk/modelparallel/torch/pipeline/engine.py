@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..delayed_init import check_partition, trace_units
 from ..errors import StepError
 from ..state import state
 from .bodies import Bodies
@@ -118,6 +119,7 @@ class PipelineEngine:
         else:
             self.partition = manual_partition(self.module, s.num_stages,
                                               recorded=s.recorded, default=s.default_partition)
+        check_partition(self.module, self.partition)  # delayed init realised this one
         mark_stages(self.module, self.partition)
         self._stage_forward = StageForward(self.module, self.partition, self.stage,
                                            s.num_stages, s.device)
@@ -172,7 +174,7 @@ class PipelineEngine:
         tracer = Tracer(self.module, self._stage_forward.units, s.num_stages)
         state.tracing = True
         try:
-            with _unchanged(self.module):
+            with _unchanged(self.module), trace_units(self.module, tracer):
                 self.trace = self._stage_forward.run_trace(tracer, self.model.forward_module,
                                                            args, kwargs)
         finally:

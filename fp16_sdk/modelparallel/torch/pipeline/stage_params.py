@@ -68,7 +68,8 @@ def broadcast_from(module: nn.Module, src: int, group) -> None:
     """Every stage's copy of every parameter and buffer equals global rank src's."""
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
+            if not getattr(t, "_smp_delayed_init", False):  # delayed init: equal already
+                dist.broadcast(t.data, src=src, group=group)
 
 
 def _declared(module: nn.Module, part: Partition) -> dict[str, set[int]]:

@@ -164,7 +164,9 @@ def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None
         SMPConfigError: a head count or width not divisible by tp.
         SMPUnsupportedError: a Linear/Conv1D of the block that `arch` does not know.
     """
+    from ...delayed_init import realise_module, release_module
     arch.fix_heads(block, ctx.size)  # checks divisibility before anything changes
+    realise_module(block)  # delayed init: the block in full, its projections freed once sliced
     known = set()
     for split in arch.splits:
         parent, name = _find(block, split.path)
@@ -173,6 +175,7 @@ def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None
         original = getattr(parent, name)
         setattr(parent, name, ShardedLinear(original, style=split.style, parts=split.parts,
                                             conv1d=arch.conv1d, tp_context=ctx))
+        release_module(original, getattr(parent, name))
         known.add(split.path)
     for sub_path, sub in block.named_modules():
         if _is_projection(sub) and sub_path not in known:
