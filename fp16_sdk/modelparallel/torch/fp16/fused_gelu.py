@@ -8,7 +8,10 @@ an H200, ~0.19 ms forward and ~0.27 ms backward per layer of the 1.3B GPT agains
 ~0.19 ms to move the bytes). `gelu(x)` runs the same fp32 formula (torch's
 `x * 0.5 * (1 + erf(x / sqrt 2))`, backward `dy * (cdf + x * pdf)`, libdevice erf and exp) in
 Triton kernels that stream at the copy bandwidth, and rounds once to the half dtype, as
-torch does. Elsewhere (CPU, fp32, non-contiguous input, under torch.compile, no Triton) it
+torch does. libdevice's erf and the CUDA math library's may differ by an fp32 ulp, which the
+cancellation in 1 + erf for x < -2 magnifies: measured on an H200, the results equal torch's
+bit for bit on 99.76% (forward) and 99.95% (backward) of all finite fp16 values, and both
+kernels stay within the same bound of the float64 value (tests/test_fused_gelu.py). Elsewhere (CPU, fp32, non-contiguous input, under torch.compile, no Triton) it
 is `F.gelu` itself.
 
 `widen(x)` is `x.float()` (exact; its gradient is the incoming one narrowed to x's dtype, as
