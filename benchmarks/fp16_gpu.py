@@ -160,17 +160,25 @@ def _smp_run_step(train_step, model, opt, clip):
     """One timed smp step (the smp arms share it): the events bracket the clip, so the
     optimizer window can be split at the end of clipping."""
     def run_step(x, y, ev):
+        marks, ev = ev == "profile", (None if ev == "profile" else ev)  # fp16_profile.py
         opt.zero_grad(set_to_none=True)
         loss = train_step(model, x, y).reduce_mean()
         if ev is not None:
             ev[0].record()
-        if clip:
-            opt.clip_master_grads(MAX_NORM)
+        with _mark("opt.clip", marks):
+            if clip:
+                opt.clip_master_grads(MAX_NORM)
         if ev is not None:
             ev[1].record()
-        opt.step()
+        with _mark("opt.step", marks):
+            opt.step()
         return loss.detach()
     return run_step
+
+
+def _mark(name: str, on: bool):
+    """A torch.profiler range named `name` when profiling (fp16_profile.py), else nothing."""
+    return torch.profiler.record_function(name) if on else contextlib.nullcontext()
 
 
 def _timed_loop(run_step, batches, steps, warmup):
@@ -207,6 +215,7 @@ def arm_plain(cfg, batches, steps, warmup, *, autocast: bool, clip: bool):
     scaler = torch.amp.GradScaler(DEVICE.type) if autocast else None
 
     def run_step(x, y, ev):
+        ev = None if ev == "profile" else ev  # fp16_profile.py: no events
         opt.zero_grad(set_to_none=True)
         with torch.autocast(DEVICE.type, dtype=torch.float16, enabled=autocast):
             loss = lm_loss(model(x), y)

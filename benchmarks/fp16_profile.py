@@ -42,14 +42,21 @@ def _bench(fn, iters=10, warmup=3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def part_attention(cfg) -> dict:
+def part_attention(cfg, layout="contiguous") -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, s, h, heads = cfg["batch"], cfg["seq"], cfg["hidden"], cfg["heads"]
     d = h // heads
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, heads, s, d, device="cuda", dtype=torch.float16, generator=g)
-               .requires_grad_() for _ in range(3))
-    dout = torch.randn(b, heads, s, d, device="cuda", dtype=torch.float16, generator=g)
+    if layout == "model":  # as the models hold them: views of one (b, s, 3h) qkv output
+        qkv = torch.randn(b, s, 3 * h, device="cuda", dtype=torch.float16, generator=g)
+        qkv.requires_grad_()
+        q, k, v = (t.view(b, s, heads, d).transpose(1, 2) for t in qkv.split(h, dim=2))
+        dout = torch.randn(b, s, heads, d, device="cuda", dtype=torch.float16,
+                           generator=g).transpose(1, 2)
+    else:  # contiguous (b, heads, s, d)
+        q, k, v = (torch.randn(b, heads, s, d, device="cuda", dtype=torch.float16, generator=g)
+                   .requires_grad_() for _ in range(3))
+        dout = torch.randn(b, heads, s, d, device="cuda", dtype=torch.float16, generator=g)
     flops = 4 * b * heads * s * s * d / 2  # causal forward (QK^T and PV), half the square
     out, ref = {}, None
     for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
@@ -73,9 +80,8 @@ def part_attention(cfg) -> dict:
         out[name] = {"fwd_ms": f_ms, "fwd_bwd_ms": fb_ms, "bwd_ms": fb_ms - f_ms,
                      "fwd_tflops": flops / f_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / fb_ms / 1e9,
                      "rel_err_vs_flash": err, "per_step_ms": fb_ms * cfg["layers"]}
-        print(f"  attention {name:20} fwd {f_ms:7.3f} ms  fwd+bwd {fb_ms:7.3f} ms "
+        print(f"  attention [{layout}] {name:20} fwd {f_ms:7.3f} ms  fwd+bwd {fb_ms:7.3f} ms "
               f"(x{cfg['layers']} layers: {fb_ms * cfg['layers']:6.1f} ms)  err {err:.1e}", flush=True)
-    q.grad = k.grad = v.grad = None
     return out
 
 
@@ -147,29 +153,50 @@ def part_adam(cfg, n_params) -> dict:
     return res
 
 
-def part_profile(cfg, steps=2) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    batches = fp16_gpu.make_batches(cfg, 4, fp16_gpu.DEVICE)
-    res = {}
-    holder = {}
+def _family(key: str) -> str:
+    key = key.lower()
+    return ("gemm" if any(w in key for w in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"))
+            else "attention" if any(w in key for w in ("flash", "fmha", "attention", "cudnn"))
+            else "cross_entropy" if any(w in key for w in ("softmax", "nll", "ce_forward",
+                                                          "ce_backward", "_ce_"))
+            else "adam/norm" if any(w in key for w in ("adam", "norm_kernel", "reduce"))
+            else "layernorm" if "layer_norm" in key or "layernorm" in key
+            else "elementwise")
 
+
+def part_profile(cfg, arm="smp", steps=2, out_dir=None) -> dict:
+    """torch.profiler over `steps` steps of an fp16_gpu.py arm (after 3 warm-up steps): CUDA
+    time by kernel family and kernel, the share of the step the GPU is busy, the idle gaps
+    on the GPU stream over 50 us, and the optimizer window (end of backward to end of step):
+    its kernels and gaps. The chrome trace is written to out_dir (gzipped) if given."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    batches = fp16_gpu.make_batches(cfg, 4, fp16_gpu.DEVICE)
+    holder = {}
     orig = fp16_gpu._timed_loop
 
     def loop(run_step, batches_, steps_, warmup_):
-        for i in range(3):
-            run_step(*batches_[i % len(batches_)], None)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for i in range(steps):
+        with fp16_gpu._sdpa_context():
+            for i in range(3):
                 run_step(*batches_[i % len(batches_)], None)
             torch.cuda.synchronize()
-            holder["wall_ms"] = (time.perf_counter() - t0) * 1e3 / steps
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    with record_function(f"step{i}"):
+                        run_step(*batches_[i % len(batches_)], "profile")
+                torch.cuda.synchronize()
+                holder["wall_ms"] = (time.perf_counter() - t0) * 1e3 / steps
         holder["prof"] = prof
-        return orig(run_step, batches_, 2, 0)
+        return 1.0, [0.0], [0.0], [0.0]
     fp16_gpu._timed_loop = loop
     try:
-        fp16_gpu.arm_smp(cfg, batches, 2, 0, clip=True)
+        if arm == "autocast":
+            fp16_gpu.arm_plain(cfg, batches, steps, 0, autocast=True, clip=True)
+        else:
+            fp16_gpu.arm_smp(cfg, batches, steps, 0, clip=True, snn=arm == "smp_nn")
     finally:
         fp16_gpu._timed_loop = orig
     prof = holder["prof"]
@@ -182,24 +209,70 @@ def part_profile(cfg, steps=2) -> dict:
             continue
         t /= 1e3 * steps  # ms per step
         total += t
-        kernels.append((t, e.key[:110], e.count // steps))
-        key = e.key.lower()
-        fam = ("gemm" if any(w in key for w in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"))
-               else "attention" if any(w in key for w in ("flash", "fmha", "attention", "cudnn"))
-               else "cross_entropy" if any(w in key for w in ("softmax", "nll", "ce_forward", "ce_backward"))
-               else "adam/norm" if any(w in key for w in ("adam", "norm_kernel", "reduce"))
-               else "layernorm" if "layer_norm" in key or "layernorm" in key
-               else "elementwise")
-        fams[fam] = fams.get(fam, 0.0) + t
+        kernels.append((t, e.key[:140], e.count // steps))
+        fams[_family(e.key)] = fams.get(_family(e.key), 0.0) + t
     kernels.sort(reverse=True)
-    res = {"wall_ms_per_step": holder["wall_ms"], "gpu_busy_ms_per_step": total,
+    cpu_ops = sorted(((e.self_cpu_time_total / 1e3 / steps, e.key[:80], e.count // steps)
+                      for e in prof.key_averages() if e.device_type.name == "CPU"),
+                     reverse=True)[:25]
+    res = {"arm": arm, "sdpa": fp16_gpu.SDPA, "wall_ms_per_step": holder["wall_ms"],
+           "gpu_busy_ms_per_step": total,
            "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
-           "top_kernels": [{"ms": t, "name": n, "calls": c} for t, n, c in kernels[:25]]}
-    print(f"  profile: wall {holder['wall_ms']:.1f} ms/step, kernels {total:.1f} ms/step")
+           "top_kernels": [{"ms": t, "name": n, "calls": c} for t, n, c in kernels[:40]],
+           "top_cpu_self_ms": [{"ms": t, "name": n, "calls": c} for t, n, c in cpu_ops]}
+    # GPU timeline: gaps, and the optimizer window of the last step (annotated opt.* ranges)
+    evs = list(prof.events())
+    gpu = sorted((e for e in evs if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    gaps = []
+    for prev, cur in zip(gpu, gpu[1:]):
+        gap = cur.time_range.start - prev.time_range.end
+        if gap > 50:
+            gaps.append({"us": gap, "after": prev.name[:80], "before": cur.name[:80]})
+    res["gpu_gaps_over_50us"] = sorted(gaps, key=lambda g: -g["us"])[:30]
+    res["gpu_gap_total_ms_per_step"] = sum(g["us"] for g in gaps) / 1e3 / steps
+    if out_dir:
+        path = os.path.join(out_dir, f"trace_{arm}_{fp16_gpu.SDPA}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as fi, gzip.open(path + ".gz", "wb") as fo:
+            shutil.copyfileobj(fi, fo)
+        os.remove(path)
+    marks = sorted((e for e in evs if e.name.startswith("opt.") and e.device_type.name == "CPU"),
+                   key=lambda e: e.time_range.start)
+    clips = [m for m in marks if m.name == "opt.clip"]
+    if clips:  # the last step's window: its opt.clip start to the end of its opt.step
+        c0 = clips[-1].time_range.start
+        c1 = max(m.time_range.end for m in marks if m.time_range.start >= c0)
+        # kernels whose launch (correlated runtime call) lies in the CPU window
+        launch_ids = {e.id for e in evs if e.device_type.name == "CPU" and
+                      c0 <= e.time_range.start <= c1}
+        win = [k for k in gpu if getattr(k, "linked_correlation_id", None) in launch_ids
+               or c0 <= k.time_range.start <= c1 + 20000]
+        rows = []
+        for i, k in enumerate(win):
+            gap = k.time_range.start - win[i - 1].time_range.end if i else 0.0
+            rows.append({"name": k.name[:90], "us": k.time_range.end - k.time_range.start,
+                         "gap_before_us": gap})
+        res["opt_window"] = {"cpu_us": c1 - c0, "kernels": rows[:80],
+                             "gpu_us": (win[-1].time_range.end - win[0].time_range.start) if win else 0,
+                             "kernel_us": sum(r["us"] for r in rows)}
+        cpu_rows = sorted(((e.time_range.end - e.time_range.start, e.name[:80]) for e in evs
+                           if e.device_type.name == "CPU" and c0 <= e.time_range.start <= c1),
+                          reverse=True)[:30]
+        res["opt_window"]["cpu_ops_us"] = [{"us": t, "name": n} for t, n in cpu_rows]
+    print(f"  profile {arm} (sdpa {fp16_gpu.SDPA}): wall {holder['wall_ms']:.1f} ms/step, "
+          f"kernels {total:.1f} ms/step, GPU gaps > 50 us {res['gpu_gap_total_ms_per_step']:.2f} ms/step")
     for fam, t in res["families_ms"].items():
         print(f"    {fam:14} {t:7.1f} ms")
-    for k in res["top_kernels"][:12]:
+    for k in res["top_kernels"][:25]:
         print(f"    {k['ms']:7.2f} ms x{k['calls']:4}  {k['name']}")
+    if "opt_window" in res:
+        w = res["opt_window"]
+        print(f"    opt window: cpu {w['cpu_us']:.0f} us, gpu span {w['gpu_us']:.0f} us, "
+              f"kernels {w['kernel_us']:.0f} us")
+        for r in w["kernels"][:40]:
+            print(f"      {r['gap_before_us']:8.1f} gap  {r['us']:8.1f} us  {r['name']}")
+        for r in w["cpu_ops_us"][:15]:
+            print(f"      cpu {r['us']:8.1f} us  {r['name']}")
     return res
 
 
@@ -208,10 +281,12 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="1.3b", choices=sorted(fp16_gpu.PRESETS))
     ap.add_argument("--parts", default="attention,ce,adam,profile")
     ap.add_argument("--smp-loss", choices=("fused", "fp32"), default="fused")
+    ap.add_argument("--sdpa", choices=("default", "cudnn"), default="default")
+    ap.add_argument("--trace-dir", default=None, help="write profile parts' chrome traces here")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "fp16_profile.json"))
     args = ap.parse_args(argv)
-    fp16_gpu.SMP_LOSS = args.smp_loss
+    fp16_gpu.SMP_LOSS, fp16_gpu.SDPA = args.smp_loss, args.sdpa
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = fp16_gpu.PRESETS[args.preset]
     out = {"preset": args.preset, "config": cfg, "gpu": torch.cuda.get_device_name(),
@@ -224,8 +299,11 @@ def main(argv=None) -> int:
             out[part] = part_ce(cfg)
         elif part == "adam":
             out[part] = part_adam(cfg, 1316 * 10**6 if args.preset == "1.3b" else 355 * 10**6)
-        elif part == "profile":
-            out[part] = part_profile(cfg)
+        elif part == "attention_model":
+            out[part] = part_attention(cfg, layout="model")
+        elif part.startswith("profile"):  # profile, profile:smp_nn, profile:autocast
+            arm = part.partition(":")[2] or "smp"
+            out[part] = part_profile(cfg, arm=arm, out_dir=args.trace_dir)
         torch.cuda.empty_cache()
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

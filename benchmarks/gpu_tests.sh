@@ -12,7 +12,8 @@
 # Each run writes its JSON after every arm, so a run cut by its timeout keeps its finished arms;
 # the parts are merged into $OUT/fp16_gpu.json.
 # PARTS picks the steps (default: overhead,tests,profile,fp16,compiled; also memory, multi_gpu);
-# FP16_PRESETS the eager fp16_gpu runs (default 1.3b_eager,1.3b_eager_cudnn,350m_eager).
+# FP16_PRESETS the eager fp16_gpu runs (default 1.3b_eager,1.3b_eager_cudnn,350m_eager);
+# ARMS the 1.3B arms, ARMS_350M and COMPILED_ARMS those of the 350M and compiled runs (default ARMS).
 # Usage (repository root; wheels in .whl or WHEELS=dir): bash benchmarks/gpu_tests.sh (writes under $OUT)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -40,7 +41,8 @@ if want tests; then
   OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests/test_loss_scaler.py tests/test_fp16_optimizer.py \
     -q -k "not cuda" -p no:cacheprovider > /tmp/tests_rest.log 2>&1 &
   rest=$!
-  timeout 150 python3 -m pytest tests/test_fp16_optimizer.py tests/test_fused_loss.py -q \
+  timeout 150 python3 -m pytest tests/test_fp16_optimizer.py tests/test_fused_loss.py \
+    tests/test_fused_gelu.py -q \
     -k "cuda or fused" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG" || status=1
   wait $rest || status=1
   tail -1 /tmp/tests_rest.log | tee -a "$LOG"
@@ -74,7 +76,7 @@ if want multi_gpu; then
 fi
 left=$((BUDGET_S - (SECONDS - start)))
 if want compiled && [ "$left" -gt 90 ]; then
-  bench 1.3b_compiled "$left" --preset 1.3b --compile --arms "$ARMS"
+  bench 1.3b_compiled "$left" --preset 1.3b --compile --arms "${COMPILED_ARMS:-$ARMS}"
 elif want compiled; then
   echo "== 1.3b_compiled skipped: ${left}s left" | tee -a "$LOG"
 fi

@@ -263,6 +263,62 @@ def test_tp1_attention_matches_reference_maths():
     assert_close(layer((h, mask)), _reference_attention(layer, h, mask), "attention vs reference")
 
 
+class _CountLinear(torch.overrides.TorchFunctionMode):
+    """Counts F.linear calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func is F.linear
+        return func(*args, **(kwargs or {}))
+
+
+def _separate_projection_attention(layer, h, mask, cross=None):
+    """The layer's forward with query, key and value as three separate F.linear calls (the
+    layer runs them as one GEMM over the stacked weights), through torch's SDPA."""
+    n, s, _ = h.shape
+    heads, d = layer.num_attention_heads, layer.attention_head_size
+    kv = h if cross is None else cross
+
+    def split(t):
+        return t.view(t.shape[0], t.shape[1], heads, d).transpose(1, 2)
+    q = split(F.linear(h, layer.query.weight, layer.query.bias))
+    k, v = (split(F.linear(kv, m.weight, m.bias)) for m in (layer.key, layer.value))
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.linear(ctx.transpose(1, 2).reshape(n, s, heads * d), layer.dense.weight,
+                   layer.dense.bias)
+    return layer.layernorm(out + h)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_tp1_attention_gradients_match_separate_projections(cross):
+    torch.manual_seed(7)
+    layer = snn.DistributedAttentionLayer(4, 8, 32, attention_dropout_prob=0.0,
+                                          hidden_dropout_prob=0.0, cross_attention=cross)
+    h, mask = _inputs("hm", 3, seed=6)
+    states = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(8))
+    kmask = torch.zeros(3, 1, 1, 5) if cross else mask
+    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    s1, s2 = states.clone().requires_grad_(), states.clone().requires_grad_()
+    inputs = (h1, s1, kmask) if cross else (h1, mask)
+    with _CountLinear() as calls:
+        out = layer(inputs)
+    assert calls.n == (3 if cross else 2)  # q|k|v (k|v) in one GEMM, then dense
+    out.square().mean().backward()
+    grads = {k: p.grad.clone() for k, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    ref = _separate_projection_attention(layer, h2, kmask, s2 if cross else None)
+    assert_close(out, ref, "attention output vs separate projections")
+    ref.square().mean().backward()
+    for k, p in layer.named_parameters():
+        assert_close(grads[k], p.grad, f"grad {k}")
+    assert_close(h1.grad, h2.grad, "input grad")
+    if cross:
+        assert_close(s1.grad, s2.grad, "cross states grad")
+
+
 def test_sizes_must_divide_by_tp():
     ctx = snn.TPContext(group=object(), size=4, rank=0)
     with pytest.raises(SMPConfigError, match=r"num_attention_heads \(6\).*tensor_parallel_degree \(4\)"):

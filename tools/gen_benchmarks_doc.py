@@ -148,6 +148,46 @@ def profile_section() -> list[str]:
     return lines
 
 
+def step_profile_section() -> list[str]:
+    d = _load("fp16_profile_step")
+    if not d:
+        return []
+    cmds = d.get("commands", {})
+    lines = [f"Where the 1.3B step's time goes ({d.get('gpu')}, torch {d.get('torch')}; "
+             f"{d.get('note', '')}).", ""]
+    if "attention_model" in d:
+        lines += [f"Attention with q, k, v as the models hold them (views of one [b, s, 3h] "
+                  f"projection), one layer: `{cmds.get('attention_model', '')}`.", "",
+                  "| backend | fwd ms | fwd+bwd ms | per step (all layers) ms |", "|---|---|---|---|"]
+        for name, r in d["attention_model"].items():
+            if "error" not in r:
+                lines.append(f"| {name} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
+                             f"{r['per_step_ms']:.1f} |")
+        lines.append("")
+    for arm in ("smp", "smp_nn"):
+        r = d.get(f"profile_{arm}")
+        if not r:
+            continue
+        # the profiler's user ranges (step*, Optimizer.step#..., opt.*) are not kernels
+        ranges = sum(k["ms"] for k in r["top_kernels"] if k["calls"] <= 1 and (
+            k["name"].startswith(("step", "opt.", "Optimizer.step"))))
+        busy = r["gpu_busy_ms_per_step"] - ranges
+        lines += [f"torch.profiler over 2 steps of the `{arm}` arm: "
+                  f"`{cmds.get(f'profile_{arm}', '')}`. Wall {r['wall_ms_per_step']:.1f} ms a "
+                  f"step, kernels {busy:.1f} ms, GPU idle gaps over 50 us "
+                  f"{r['gpu_gap_total_ms_per_step']:.2f} ms (the host sync between the "
+                  "gradient norm and the Adam launch).", "",
+                  "| kernel | ms a step | launches a step |", "|---|---|---|"]
+        for k in r["top_kernels"]:
+            if k["name"].startswith(("step", "opt.", "Optimizer.step")):
+                continue
+            if k["ms"] < 0.8:
+                break
+            lines.append(f"| `{k['name'][:90]}` | {k['ms']:.2f} | {k['calls']} |")
+        lines.append("")
+    return lines
+
+
 def pipeline_section() -> list[str]:
     d = _load("pipeline_schedule")
     if not d:
@@ -274,6 +314,7 @@ def render() -> str:
              "tests: they print a table and write JSON.", "",
              "## FP16 training on one H200 (`benchmarks/fp16_gpu.py`)", "", *fp16_section(), "",
              "## Kernel-level figures (`benchmarks/fp16_profile.py`)", "", *profile_section(), "",
+             *step_profile_section(),
              "## Activation checkpointing and offloading on one H200 (`benchmarks/memory.py`)",
              "", *memory_section(), "",
              "## Multi-GPU (`benchmarks/multi_gpu.sh`, `benchmarks/multi_gpu.py`)", "",

@@ -7,7 +7,8 @@ pipeline calls `cast_inputs` on the first stage and `cast_outputs` on the last i
 
 Norm layers are not kept in fp32: LayerNorm in half computes its statistics in fp32 inside the
 kernel (CUDA and CPU), so an fp32 copy buys no accuracy here and would cost a cast per layer.
-The wrapper adds no state_dict prefix: its keys are the wrapped module's.
+The wrapper adds no state_dict prefix: its keys are the wrapped module's. Large half outputs on
+CUDA are widened by one Triton pass (fused_gelu.widen: the same values as `.float()`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from .fused_gelu import widen
+
 __all__ = ["FP16Module", "BF16Module", "HalfPrecisionModule", "cast_inputs", "cast_outputs"]
 
 
 def _convert(value: Any, src: tuple[torch.dtype, ...], dst: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(dst) if value.dtype in src else value
+        if value.dtype not in src:
+            return value
+        if dst == torch.float32:  # outputs: large half tensors widen in one fused pass
+            return widen(value)
+        return value.to(dst)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(_convert(v, src, dst) for v in value)
     if isinstance(value, tuple):  # namedtuple: keep its type

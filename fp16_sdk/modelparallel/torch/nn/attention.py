@@ -44,6 +44,32 @@ def causal_additive_mask(seq_q: int, seq_k: int, dtype: torch.dtype,
     return torch.zeros(seq_q, seq_k, dtype=dtype, device=device).masked_fill(future, MASK_VALUE)
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` runs forward hooks (its own or global ones)."""
+    from torch.nn.modules import module as torch_module
+    return bool(module._forward_hooks or module._forward_pre_hooks
+                or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
+def _joint_linear(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """(linear(x) for linear in linears) as one GEMM over the weights stacked by rows.
+
+    The same products as separate F.linear calls (each output column is the same dot
+    product), with one read of x, one input-gradient GEMM instead of one per linear
+    plus the adds that sum them, and one bias-gradient reduction. The parameters stay the
+    linears' own (state dicts, TP splits and gradients unchanged: the stacked weight's
+    gradient is split back by autograd). The outputs are column slices of one tensor.
+    Linears with forward hooks (or mixed bias flags) are called one by one, as modules.
+    """
+    biases = [lin.bias for lin in linears]
+    mixed = any(b is None for b in biases) and any(b is not None for b in biases)
+    if mixed or any(_has_hooks(lin) for lin in linears):
+        return tuple(lin(x) for lin in linears)  # one module call (and GEMM) each
+    bias = None if biases[0] is None else torch.cat(biases)
+    out = F.linear(x, torch.cat([lin.weight for lin in linears]), bias)
+    return out.split([lin.weight.shape[0] for lin in linears], dim=-1)
+
+
 class DistributedAttentionLayer(DistributedModule):
     """Attention block: [pre-LN] -> attention -> dense -> dropout -> residual [-> post-LN].
 
@@ -139,7 +165,11 @@ class DistributedAttentionLayer(DistributedModule):
         group = self.tp.group
         x = copy_to_tensor_parallel_region(normed, group)  # backward: the 1 all-reduce
         kv = x if cross_states is None else copy_to_tensor_parallel_region(cross_states, group)
-        q, k, v = self._heads(self.query(x)), self._heads(self.key(kv)), self._heads(self.value(kv))
+        if cross_states is None:  # one GEMM for q|k|v (they read the same input)
+            q, k, v = (self._heads(t) for t in _joint_linear(x, self.query, self.key, self.value))
+        else:
+            q = self._heads(self.query(x))
+            k, v = (self._heads(t) for t in _joint_linear(kv, self.key, self.value))
         if self.attention_in_fp32 or self.query_key_layer_scaling or self.fused_softmax:
             ctx = self._explicit_attention(q, k, v, attention_mask)
         else:
