@@ -271,13 +271,13 @@ class SdpMasters(MasterParams):
         super().__init__(optimizer.param_groups, counts=lambda p: counts(p) and on_rdp0)
 
     def _build_group(self, params: list, counts) -> list:
-        from .model import _is_scaled_batch
+        from .replicas import is_scaled_batch
         whole = [p for p in params if not is_sharded(p)]
         super()._build_group(whole, counts)
         topo = state.topology
         for p in params:
             if is_sharded(p) and p.requires_grad:
-                distributed = _is_scaled_batch(p)
+                distributed = is_scaled_batch(p)
                 extra = state.groups.tp if topo.tp > 1 and not distributed else None
                 self.buckets.append(_ShardBucket(
                     p, counted=self._shard_counts(p), divisor=float(self._divisor[distributed]),
