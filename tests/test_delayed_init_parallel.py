@@ -232,3 +232,28 @@ def test_transformers_first_imported_inside_the_context_is_refused():
     pytest.importorskip("transformers")
     message = run_ranks(_hf_imported_inside, 1, timeout=200)[0]
     assert message and "import transformers before opening" in message
+
+
+def _smp_nn_lm(rank, world, delayed):
+    from fp16_sdk.modelparallel.torch import nn as snn
+    from test_pipeline_tp import LM as SIZES
+    torch.cuda.is_available = lambda: False
+    torch.set_num_threads(1)
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True, delayed_param_initialization=delayed):
+        module = snn.DistributedTransformerLMHead(**SIZES)
+        model = smp.DistributedModel(module)
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def test_smp_nn_layers_at_tp2_values_equal_eager():
+    """smp.nn layers created under delayed init at tp=2 keep their own shards (their
+    __init__ initialises each weight in full and keeps this rank's slice) and the plain
+    modules inside them are realised: the gathered model equals the eager one."""
+    delayed = run_ranks(_smp_nn_lm, 2, True, timeout=300)
+    eager = run_ranks(_smp_nn_lm, 2, False, timeout=300)
+    for d, e in zip(delayed, eager):
+        assert set(d) == set(e) and d
+        for key, value in e.items():
+            assert torch.equal(d[key], value), key
