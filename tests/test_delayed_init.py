@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.state import state
+from helpers.live_bytes import LiveBytes
 from helpers.mp import run_ranks
 
 VOCAB, HIDDEN, LAYERS = 16, 256, 8
@@ -50,30 +49,6 @@ class LM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of CPU storages alive at once among those created while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                try:
-                    s = t.untyped_storage()
-                    ptr = s.data_ptr()
-                except RuntimeError:  # a wrapper subclass (FSDP's DTensor): no storage of its
-                    continue          # own; its local tensor was counted when it was made
-                if ptr and ptr not in self.live:
-                    self.live[ptr] = (StorageWeakRef(s), s.nbytes())
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
 
 
 def _model_bytes() -> int:

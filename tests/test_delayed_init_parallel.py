@@ -5,11 +5,13 @@ parameter, gathered by `model.state_dict()`, must be equal), the same job run wi
 initialization (losses and every local gradient over 3 fp32 AdamW steps to 1e-5), and the
 model's parameter bytes: the live bytes of every CPU storage allocated on a rank while the
 model is created and wrapped (a TorchDispatchMode holding weak references to the storages it
-saw created, test_delayed_init.LiveBytes) must stay below 1/n of the model plus 1.5 blocks,
+saw created, helpers.live_bytes.LiveBytes) must stay below 1/n of the model plus 1.5 blocks,
 which a rank that materialised the whole model exceeds (checked on the eager run).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -17,8 +19,8 @@ from torch import nn
 
 import fp16_sdk.modelparallel.torch as smp
 from helpers.mp import run_ranks
-from test_delayed_init import LiveBytes
-from test_fp16_optimizer import batches, lm_loss
+from helpers.live_bytes import LiveBytes
+from helpers.tiny_gpt import batches, lm_loss
 
 pytestmark = pytest.mark.slow
 
@@ -220,23 +222,62 @@ def _hf_imported_inside(rank, world):
     smp.init({"ddp": True})
     with smp.delay_param_initialization():
         module = _gpt2()
-    try:
-        smp.DistributedModel(module)
-    except smp.SMPConfigError as exc:
-        return str(exc)
-    return None
+    model = smp.DistributedModel(module)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_transformers_first_imported_inside_the_context_is_refused():
-    """Its post_init could not be recorded: an error naming the fix, not wrong values."""
+def _hf_init_switched_off(rank, world):
+    """AWS's smp v1 GPT-2 example switches transformers' init off before building the model
+    (smp v1 re-initialises it as its distributed transformer)."""
+    torch.cuda.is_available = lambda: False
+    from transformers.modeling_utils import PreTrainedModel
+    PreTrainedModel.init_weights = lambda self: None
+    smp.init({"ddp": True, "tensor_parallel_degree": 2})
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True, delayed_param_initialization=True):
+        module = _gpt2()
+    model = smp.DistributedModel(module)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _check_transformers_init(weights: dict) -> None:
+    """No weight is left unwritten (placeholders are NaN-filled) and the draws are
+    transformers' init: normal(0, initializer_range) for embeddings and projections, c_proj
+    scaled by 1/sqrt(2 * n_layer), LayerNorm at (1, 0)."""
+    config = _gpt2().config
+    std = config.initializer_range
+    for key, value in weights.items():
+        assert torch.isfinite(value).all(), key
+        if key.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            assert torch.equal(value, torch.ones_like(value)), key
+        elif key.endswith(("wte.weight", "c_attn.weight", "c_fc.weight")):
+            assert abs(value.std().item() / std - 1) < 0.25, (key, value.std().item())
+        elif key.endswith("c_proj.weight"):
+            scaled = std / math.sqrt(2 * config.n_layer)
+            assert abs(value.std().item() / scaled - 1) < 0.25, (key, value.std().item())
+
+
+def test_transformers_first_imported_inside_the_context_gets_transformers_init():
+    """Its post_init could not be recorded: every weight is still written, by the model's own
+    _init_weights (the statistics of transformers' init), never left unwritten."""
     pytest.importorskip("transformers")
-    message = run_ranks(_hf_imported_inside, 1, timeout=200)[0]
-    assert message and "import transformers before opening" in message
+    _check_transformers_init(run_ranks(_hf_imported_inside, 1, timeout=200)[0])
+
+
+def test_init_weights_switched_off_as_aws_scripts_do_gets_transformers_init_at_tp2():
+    """Both tp ranks hold written weights with transformers' init statistics, and the
+    replicated ones (LayerNorm, embeddings) are equal on both ranks (rank 0's snapshots)."""
+    pytest.importorskip("transformers")
+    ranks = run_ranks(_hf_init_switched_off, 2, timeout=300)
+    for weights in ranks:
+        _check_transformers_init(weights)
+    for key in ("transformer.wte.weight", "transformer.ln_f.weight"):
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
 
 
 def _smp_nn_lm(rank, world, delayed):
     from fp16_sdk.modelparallel.torch import nn as snn
-    from test_pipeline_tp import LM as SIZES
+    from helpers.lm_head import LM as SIZES
     torch.cuda.is_available = lambda: False
     torch.set_num_threads(1)
     smp.init({"tensor_parallel_degree": 2, "ddp": True})

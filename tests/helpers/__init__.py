@@ -18,6 +18,7 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   rank's rows and the single-process reference step, for the pp x tp tests.
 - `pipeline_data`: a tiny Hugging Face GPT-2 (`tiny_gpt2`) and the pp=2 tests' batches.
 - `ac_nets`: the activation-checkpointing tests' `Net` of `Block`s (`Block.calls` counts).
+- `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
 
 No test module imports another (tests/test_import_boundaries.py checks it): what two test
 files share lives here.

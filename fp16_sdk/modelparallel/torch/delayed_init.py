@@ -50,6 +50,12 @@ Who realises what (peak host memory while creating and wrapping, per rank):
     tp > 1, sdp > 1     TP as above, then FSDP shards the TP shards unit by unit (the TP
                         shards all exist before FSDP runs)         ~1/tp + one block
 
+A transformers model that recorded no init at creation (its `init_weights` switched off by
+the script, as AWS's smp v1 examples do because smp v1 re-initialises the model as its own
+distributed transformer, or transformers first imported inside the context) is initialised
+by its own `_init_weights` per module, from per-module snapshots seeded by the process' seed,
+with a warning: those values are transformers' init, not what eager creation leaves there.
+
 A TP slice of a realised weight is marked `_smp_agreed` (equal on every rank, like a realised
 parameter): the wrap-time broadcasts skip both, so no flat copy of the model is made.
 
@@ -393,18 +399,47 @@ def plan_of(module: nn.Module) -> _Plan | None:
     return module.__dict__.get("_smp_delayed")
 
 
+def _unrecorded_hf_inits(root: nn.Module) -> list[str]:
+    """Give transformers models whose creation recorded no init one of their own.
+
+    A PreTrainedModel with meta parameters and no recorded `_init_weights` either had its
+    init switched off by the script (AWS's smp v1 examples set `PreTrainedModel.init_weights`
+    to a no-op before building the model, because smp v1 re-initialises it as its own
+    distributed transformer) or was built with transformers first imported inside the
+    creation context. Its weights would otherwise stay unwritten, so each of its modules is
+    initialised at materialisation by the model's own `_init_weights` (transformers' init:
+    what smp v1's distributed transformer also draws, normal(0, initializer_range)), each
+    from a snapshot of its own, seeded from the process' seed and the module's index (rank
+    0's snapshots are agreed afterwards). Returns the models' class names (for a warning).
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(root, transformers.PreTrainedModel):
+        return []
+    names = []
+    for model in [m for m in root.modules() if isinstance(m, transformers.PreTrainedModel)
+                  and "_smp_hf_init" not in m.__dict__ and has_meta(m)]:
+        names.append(type(model).__name__)
+        for index, m in enumerate(model.modules()):
+            if "_smp_hf_init" not in m.__dict__:
+                generator = torch.Generator().manual_seed(
+                    (torch.initial_seed() + 1_000_003 * (index + 1)) % (2 ** 63))
+                m.__dict__["_smp_hf_init"] = (generator.get_state(), model._init_weights)
+    return names
+
+
 def _check_inits(root: nn.Module) -> None:
     transformers = sys.modules.get("transformers")
     hf = transformers is not None and isinstance(root, transformers.PreTrainedModel)
+    unrecorded = _unrecorded_hf_inits(root)
+    if unrecorded and state.rank == 0:
+        import logging
+        logging.getLogger("smp").warning(
+            "delayed parameter initialization: %s recorded no weight init at creation (its "
+            "init_weights was switched off, or transformers was first imported inside the "
+            "creation context): its modules are initialised with the model's own "
+            "_init_weights when materialised, not with the values eager creation leaves",
+            ", ".join(unrecorded))
     for m in root.modules():
-        if hf and isinstance(m, transformers.PreTrainedModel) and \
-                "_smp_hf_init" not in m.__dict__ and has_meta(m):
-            raise SMPConfigError(
-                f"delayed parameter initialization: {type(m).__name__} was created without "
-                f"its post_init being recorded (transformers was first imported inside the "
-                f"creation context); import transformers before opening "
-                f"smp.model_creation / smp.delay_param_initialization",
-                key="delayed_parameter_initialization", value=type(m).__name__)
         if not any(p is not None and p.is_meta for p in m._parameters.values()):
             continue
         if _init_fn(m) is None and not hf and "_smp_hf_init" not in m.__dict__:

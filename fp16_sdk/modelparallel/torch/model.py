@@ -234,8 +234,9 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             params, average_over_microbatches=self.average_grads_across_microbatches,
             **self._reducer_options())
 
-    def _release_from_reducer(self, params) -> dict[int, ReductionGroup]:
-        """Stop reducing `params` (shard_optimizer_state reduce-scatters them itself).
+    def release_from_reducer(self, params) -> dict[int, ReductionGroup]:
+        """Stop reducing `params` (shard_optimizer_state reduce-scatters them itself; called by
+        the sharded optimizer, never by scripts).
 
         Returns:
             id(param) -> the ReductionGroup (process group, size, divisor) it was reduced in.

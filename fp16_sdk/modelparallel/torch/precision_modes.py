@@ -293,7 +293,7 @@ class Sharded(Masters):
         return {"sharded_layout": self.masters.layout()}
 
     def prepare_load(self, sd: dict) -> dict:
-        if "_smp_reshard" in sd:  # every saved rdp rank's state (checkpointing.py)
+        if "_smp_reshard" in sd:  # every saved rdp rank's state (checkpoint/resume.py)
             sd = reshard_state(sd["_smp_reshard"], self.masters)
         check_layout(sd, self.masters)
         return sd

@@ -16,7 +16,7 @@ The inner torch optimizer sees one flat fp32 tensor per bucket (the slice), so i
     gather_grads   flat_grad /= divisor; reduce_scatter_single(reduced, flat_grad) over RDP
                    (then, for parameters the reducer would sum over DP = TP x RDP, an
                    all-reduce of the slice over TP); the model's GradReducer leaves these
-                   parameters alone (`DistributedModel._release_from_reducer`)
+                   parameters alone (`DistributedModel.release_from_reducer`)
     norm, overflow sums of |g|^p over `reduced`, all-reduced over the world by
                    DistributedOptimizer (every element is owned by exactly one RDP rank, so the
                    world sum is the unsharded norm and one rank's inf skips the step on all)
@@ -234,7 +234,7 @@ class ShardedMasters:
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         trainable = [p for p in params if p.requires_grad and p.numel() > 0]
-        where = self._model._release_from_reducer(trainable)
+        where = self._model.release_from_reducer(trainable)
         keyed: dict[tuple, tuple[list, list, ShardGroup]] = {}
         for p in trainable:
             shard = _shard_group(where.get(id(p)))
