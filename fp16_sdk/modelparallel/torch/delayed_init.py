@@ -418,6 +418,8 @@ def _unrecorded_hf_inits(root: nn.Module) -> list[str]:
     names = []
     for model in [m for m in root.modules() if isinstance(m, transformers.PreTrainedModel)
                   and "_smp_hf_init" not in m.__dict__ and has_meta(m)]:
+        if "_smp_hf_init" in model.__dict__:  # nested in one handled above (GPT2Model)
+            continue
         names.append(type(model).__name__)
         for index, m in enumerate(model.modules()):
             if "_smp_hf_init" not in m.__dict__:
