@@ -22,29 +22,20 @@ Below 2**20 elements, or off the fused path's conditions, it is `x.float()` itse
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
+
+from .triton_path import half_tensor_on_triton, kernels
 
 __all__ = ["gelu", "fused_gelu_available", "widen"]
 
 _BLOCK, _WARPS = 2048, 8  # 8 halves (16 bytes) a thread
 
 
-def _kernels():
-    try:
-        from . import fused_kernels
-    except ImportError:
-        return None
-    return fused_kernels
-
-
 def fused_gelu_available(x: torch.Tensor) -> bool:
     """Whether `gelu` takes the fused path for `x`."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
-    return ((x.is_cuda or interpret) and x.dtype in (torch.float16, torch.bfloat16)
-            and x.is_contiguous() and x.numel() > 0 and _kernels() is not None)
+    return half_tensor_on_triton(x) and x.is_contiguous() and x.numel() > 0
 
 
 def _grid(n: int) -> tuple[int]:
@@ -55,7 +46,7 @@ class _FusedGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = torch.empty_like(x)
-        _kernels().gelu_forward_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK,
+        kernels().gelu_forward_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK,
                                                          num_warps=_WARPS)
         ctx.save_for_backward(x)
         return y
@@ -65,7 +56,7 @@ class _FusedGelu(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        _kernels().gelu_backward_kernel[_grid(x.numel())](dy, x, dx, x.numel(), BLOCK=_BLOCK,
+        kernels().gelu_backward_kernel[_grid(x.numel())](dy, x, dx, x.numel(), BLOCK=_BLOCK,
                                                           num_warps=_WARPS)
         return dx
 
@@ -81,7 +72,7 @@ class _Widen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        _kernels().widen_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK, num_warps=_WARPS)
+        kernels().widen_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK, num_warps=_WARPS)
         ctx.dtype = x.dtype
         return y
 

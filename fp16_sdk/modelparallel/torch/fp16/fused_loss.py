@@ -20,35 +20,26 @@ Elsewhere (CPU, fp32 logits, no Triton) it is `F.cross_entropy(logits.float(), .
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
+
+from .triton_path import half_tensor_on_triton, kernels
 
 __all__ = ["cross_entropy", "fused_cross_entropy_available"]
 
 _BLOCK, _WARPS = 4096, 8
 
 
-def _kernels():
-    try:
-        from . import fused_kernels
-    except ImportError:
-        return None
-    return fused_kernels
-
-
 def fused_cross_entropy_available(logits: torch.Tensor) -> bool:
     """Whether `cross_entropy` takes the fused path for these logits."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
-    return ((logits.is_cuda or interpret) and logits.dtype in (torch.float16, torch.bfloat16)
-            and _kernels() is not None)
+    return half_tensor_on_triton(logits)
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index):
-        kernels = _kernels()
+        kernels = kernels()
         rows, vocab = logits.shape
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         per_row = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -63,7 +54,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, labels, lse, counted = ctx.saved_tensors
-        kernels = _kernels()
+        kernels = kernels()
         rows, vocab = logits.shape
         coef = (grad_loss.to(torch.float32) / counted).reshape(1)
         grad = torch.empty_like(logits)
