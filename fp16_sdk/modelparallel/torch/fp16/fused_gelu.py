@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .triton_path import half_tensor_on_triton, kernels
+from .triton_path import half_tensor_on_triton, load_kernels
 
 __all__ = ["gelu", "fused_gelu_available", "widen"]
 
@@ -46,7 +46,7 @@ class _FusedGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = torch.empty_like(x)
-        kernels().gelu_forward_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK,
+        load_kernels().gelu_forward_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK,
                                                          num_warps=_WARPS)
         ctx.save_for_backward(x)
         return y
@@ -56,7 +56,7 @@ class _FusedGelu(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.empty_like(x)
-        kernels().gelu_backward_kernel[_grid(x.numel())](dy, x, dx, x.numel(), BLOCK=_BLOCK,
+        load_kernels().gelu_backward_kernel[_grid(x.numel())](dy, x, dx, x.numel(), BLOCK=_BLOCK,
                                                           num_warps=_WARPS)
         return dx
 
@@ -72,7 +72,7 @@ class _Widen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        kernels().widen_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK, num_warps=_WARPS)
+        load_kernels().widen_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK, num_warps=_WARPS)
         ctx.dtype = x.dtype
         return y
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .triton_path import half_tensor_on_triton, kernels
+from .triton_path import half_tensor_on_triton, load_kernels
 
 __all__ = ["cross_entropy", "fused_cross_entropy_available"]
 
@@ -39,7 +39,7 @@ def fused_cross_entropy_available(logits: torch.Tensor) -> bool:
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index):
-        kernels = kernels()
+        kernels = load_kernels()
         rows, vocab = logits.shape
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         per_row = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -54,7 +54,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, labels, lse, counted = ctx.saved_tensors
-        kernels = kernels()
+        kernels = load_kernels()
         rows, vocab = logits.shape
         coef = (grad_loss.to(torch.float32) / counted).reshape(1)
         grad = torch.empty_like(logits)

@@ -25,7 +25,7 @@ import os
 import torch
 
 from .master_params import HALF_DTYPES, FlatBucket
-from .triton_path import kernels
+from .triton_path import load_kernels
 
 __all__ = ["FusedStepper", "fused_kind", "triton_available", "FUSED_ENV"]
 
@@ -37,7 +37,7 @@ _SGD_KEYS = ("momentum_buffer",)
 
 def triton_available() -> bool:
     """Whether the fused kernels can be built here (Triton importable)."""
-    return kernels() is not None
+    return load_kernels() is not None
 
 
 def fused_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -58,7 +58,7 @@ def fused_kind(optimizer: torch.optim.Optimizer) -> str | None:
     if any(p.dtype not in HALF_DTYPES or not (p.device.type == "cuda" or interpret)
            for p in params):
         return None
-    return kind if kernels() is not None else None
+    return kind if load_kernels() is not None else None
 
 
 def _group_ok(kind: str, group: dict) -> bool:
@@ -114,7 +114,7 @@ class FusedStepper:
         for bucket in buckets:
             if not self._in_sync(bucket) and not self._adopt(bucket):
                 return False
-        kernels = kernels()
+        kernels = load_kernels()
         for bucket in buckets:
             group = groups[bucket.group_index]
             if self.kind == "adam":
