@@ -296,6 +296,55 @@ def test_fused_step_matches_torch_optimizer(start, device, name):
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)
+def test_fused_step_reads_gradients_where_autograd_puts_them(start, device):
+    """No flat gradient buffer on the fused path: after zero_grad(set_to_none=True) p.grad is
+    None and backward's own tensors become the gradients (distinct storages). The kernel reads
+    them wherever they are: a gradient a script replaced by a non-contiguous copy, one set to
+    None (stepped as zeros, as the exact path's zeroed buffer steps it), gradients summed over
+    two backwards after zero_grad(set_to_none=False). Masters track torch's AdamW on fp32
+    copies fed the same unscaled gradients."""
+    dev = start({"fp16": True}, device)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(TinyGPT())
+    opt = smp.DistributedOptimizer(OPTIMIZERS["adamw"](model.parameters()),
+                                   dynamic_loss_scale=True, init_scale=2**10)
+    bucket, = opt.masters.buckets
+    assert bucket.half_grad is None and opt.precision_mode == "fused"
+    params = list(model.parameters())
+    masters = [opt.masters.model_to_master[id(p)] for p in params]
+    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    ref_opt = OPTIMIZERS["adamw"](ref)
+    mats = [i for i, p in enumerate(params) if p.dim() == 2]
+    data = [(x.to(dev), y.to(dev)) for x, y in batches(6)]
+    for i in range(4):
+        opt.zero_grad(set_to_none=i != 3)
+        if i == 3:  # zeroed where they are, then two backwards accumulate into them
+            assert all(p.grad is not None and not p.grad.any() for p in params)
+            train_step(model, *data[4])
+        else:
+            assert all(p.grad is None for p in params)
+        train_step(model, *data[i])
+        storages = {p.grad.untyped_storage().data_ptr() for p in params}
+        assert len(storages) == len(params)  # each its own tensor, no shared buffer
+        if i == 1:
+            k, j = mats[0], mats[1]
+            params[k].grad = params[k].grad.t().contiguous().t()  # same values, not contiguous
+            assert not params[k].grad.is_contiguous()
+            params[j].grad = None
+        for r, p in zip(ref, params):
+            r.grad = (p.grad.float() if p.grad is not None else torch.zeros_like(r)) / \
+                opt.loss_scale
+        want = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))
+        assert opt.clip_master_grads(0.5) == pytest.approx(want, rel=1e-5)
+        opt.step()
+        ref_opt.step()
+        assert not opt.overflow and opt.precision_mode == "fused"
+        for m, r, p in zip(masters, ref, params):
+            torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=2e-6)
+            assert torch.equal(p.detach(), m.detach().half())
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
 def test_fused_step_hands_over_to_the_exact_path_mid_training(start, device):
     """A step hook (only torch's step runs hooks) moves the fused optimizer to the exact path
     for good, inside a clipped step (grads already unscaled): masters keep tracking torch's
@@ -368,9 +417,13 @@ def test_dp1_reducer_keeps_grads_in_place(start, fp16):
     x, y = batches(1, batch=8)[0]
     opt.zero_grad()
     train_step(model, x.to(dev), y.to(dev))
-    if fp16:  # the gradients stayed in the optimizer's flat buffer
+    if fp16:  # the gradients stayed where they were: the flat buffer, or autograd's own
         bucket, = opt.masters.buckets
-        assert all(p.grad is v for p, v in zip(bucket.params, bucket.grad_views))
+        if bucket.flat_grads:
+            assert all(p.grad is v for p, v in zip(bucket.params, bucket.grad_views))
+        else:  # the fused path (CUDA, or Triton's interpreter): one tensor per gradient
+            assert len({p.grad.untyped_storage().data_ptr() for p in bucket.params}) == \
+                len(bucket.params)
         return
     lm_loss(reference(x), y).backward()
     for p, r in zip(model.parameters(), reference.parameters()):

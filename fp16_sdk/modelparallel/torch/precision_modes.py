@@ -234,7 +234,8 @@ class Masters(PrecisionMode):
 
 class FusedHalf(Masters):
     """fp16/bf16 masters stepped by fp16/fused_step.py: one kernel per bucket reads the half
-    gradient times grad_factor, so unscaling is only a number and no master grads exist.
+    gradient times grad_factor, so unscaling is only a number and no master grads exist; the
+    half gradients are not gathered into a flat buffer either (master_params.py).
 
     Args:
         optimizer: the inner Adam, AdamW or SGD (the source of hyper-parameters and state).
@@ -248,6 +249,11 @@ class FusedHalf(Masters):
                  stepper: FusedStepper):
         super().__init__(optimizer, masters)
         self.stepper = stepper
+
+    def prepare_grads(self) -> None:
+        """The gradients stay where autograd put them; the kernels' address tables are
+        uploaded now, before the norm's host sync."""
+        self.stepper.prepare(self.masters.buckets)
 
     def _bucket_power_sums(self, norm_type: float, *, unscaled: bool) -> tuple[list, list]:
         return super()._bucket_power_sums(norm_type, unscaled=False)  # always the raw grads
@@ -273,8 +279,9 @@ class FusedHalf(Masters):
             self.optimizer.param_groups, self.masters.buckets)
 
     def to_exact(self, *, unscaled: bool, grad_factor: float) -> Masters:
-        """The exact mode on the same masters: master-grad buffers allocated (and filled
-        with the raw grads times grad_factor when this step already unscaled)."""
+        """The exact mode on the same masters: flat gradient and master-grad buffers
+        allocated (the current gradients moved in; the master grads filled with the raw grads
+        times grad_factor when this step already unscaled)."""
         self.masters.add_master_grads()
         exact = Masters(self.optimizer, self.masters)
         if unscaled:

@@ -2,9 +2,11 @@
 exact (erf) GELU on half tensors forward and backward, and the half -> fp32 widening of large
 outputs (fused_gelu.py).
 
-One program handles BLOCK consecutive elements of a flat bucket. Per element the Adam kernel
-reads the half gradient (2 B), the fp32 master, exp_avg and exp_avg_sq (12 B), writes those
-three back (12 B) and writes the half parameter (2 B): 28 B, the optimizer step's floor.
+In the optimizer kernels one program handles BLOCK consecutive elements of one parameter of
+a flat bucket (its gradient read where autograd put it, through a table of addresses). Per
+element the Adam kernel reads the half gradient (2 B), the fp32 master, exp_avg and
+exp_avg_sq (12 B), writes those three back (12 B) and writes the half parameter (2 B): 28 B,
+the optimizer step's floor.
 The arithmetic follows torch.optim.Adam/AdamW's (foreach) formulas operation by operation,
 with IEEE-rounded sqrt and division, so the masters match torch's to a few fp32 ulps.
 """
@@ -20,19 +22,41 @@ __all__ = ["adam_kernel", "sgd_kernel", "ce_forward_kernel", "ce_backward_kernel
 
 
 @triton.jit
-def adam_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, n,
+def _block_of_tensor(grad_addrs, block_param, block_start, param_offset, param_numel,
+                     dtype: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """This program's BLOCK elements of one parameter: (pointers to its half gradient, offsets
+    into the bucket's flat buffers, the elements' mask, the gradient loads' mask). A block never
+    spans two parameters; a zero address (no gradient) masks every gradient load: it reads 0."""
+    pid = tl.program_id(0)
+    i = tl.load(block_param + pid)
+    idx = tl.load(block_start + pid).to(tl.int64) + tl.arange(0, BLOCK)
+    idx = tl.max_contiguous(tl.multiple_of(idx, 8), 8)
+    addr = tl.load(grad_addrs + i)
+    mask = idx < tl.load(param_numel + i)
+    # Gradients are 16-byte aligned (FlatBucket.grads checks it): 16-byte vector loads.
+    grad = tl.multiple_of(addr.to(tl.pointer_type(dtype)), 16)
+    return grad + idx, tl.load(param_offset + i) + idx, mask, mask & (addr != 0)
+
+
+@triton.jit
+def adam_kernel(grad_addrs, block_param, block_start, param_offset, param_numel,
+                master_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr,
                 grad_factor, decay, weight_decay, one_m_beta1, beta2, one_m_beta2, eps,
                 step_size, bc2_sqrt,
                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """One Adam(W) step on BLOCK elements.
+    """One Adam(W) step on BLOCK elements of one parameter.
 
+    Parameter i's gradient is at address grad_addrs[i] (where autograd put it); its master,
+    exp_avg, exp_avg_sq and half parameter at param_offset[i] in the bucket's flat buffers.
     Scalars come from the host in double precision, rounded once to fp32 as torch's kernels
     round theirs: grad_factor = clip_coeff / loss_scale, decay = 1 - lr * wd (AdamW),
     step_size = lr / (1 - beta1**t), bc2_sqrt = sqrt(1 - beta2**t) for step count t.
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_factor
+    gptrs, offs, mask, gmask = _block_of_tensor(grad_addrs, block_param, block_start,
+                                                param_offset, param_numel,
+                                                half_ptr.dtype.element_ty, BLOCK)
+    g = tl.load(gptrs, mask=gmask, other=0.0).to(tl.float32) * grad_factor
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
@@ -53,14 +77,17 @@ def adam_kernel(grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr, n,
 
 
 @triton.jit
-def sgd_kernel(grad_ptr, master_ptr, buf_ptr, half_ptr, n,
+def sgd_kernel(grad_addrs, block_param, block_start, param_offset, param_numel,
+               master_ptr, buf_ptr, half_ptr,
                grad_factor, lr, momentum, one_m_dampening, weight_decay,
                HAS_MOMENTUM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
                MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """One SGD step on BLOCK elements (torch.optim.SGD's rules; FIRST: no buffer yet)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_factor
+    """One SGD step on BLOCK elements of one parameter (torch.optim.SGD's rules; FIRST: no
+    buffer yet); the layout arguments as adam_kernel's."""
+    gptrs, offs, mask, gmask = _block_of_tensor(grad_addrs, block_param, block_start,
+                                                param_offset, param_numel,
+                                                half_ptr.dtype.element_ty, BLOCK)
+    g = tl.load(gptrs, mask=gmask, other=0.0).to(tl.float32) * grad_factor
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     if MAXIMIZE:
         g = -g

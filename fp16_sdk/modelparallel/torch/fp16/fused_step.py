@@ -5,7 +5,11 @@ buffer, lets the torch optimizer step the masters, and copies them back: ~42 B/p
 4 B/param of extra memory. Here, for torch.optim.Adam, AdamW and SGD on CUDA with Triton,
 one kernel per bucket (fused_kernels.py) reads the half gradient, multiplies it by
 clip_coeff / loss_scale, updates master and optimizer state and writes the half parameter:
-28 B/param, plus the 2 B/param the norm/overflow reduction reads before it.
+28 B/param, plus the 2 B/param the norm/overflow reduction reads before it. The gradients
+stay where autograd put them (no flat gradient buffer, master_params.py says why): the kernel
+reads them through a table of their addresses, built when the norm is taken (`prepare`),
+before the step's host sync, so nothing but the launch is left between that sync and the
+kernel.
 
 The inner optimizer stays the source of truth for hyper-parameters (lr, betas, eps,
 weight_decay, momentum... are read from its param_groups at every step, so LR schedulers
@@ -94,12 +98,24 @@ class FusedStepper:
         self._flat: dict[int, dict[str, torch.Tensor]] = {}  # id(bucket) -> key -> flat buffer
         self._steps: dict[int, int] = {}                     # id(bucket) -> Adam step count
         self._step_tensors: dict[int, list] = {}  # id(bucket) -> state[master]["step"] tensors
+        self._layouts: dict[int, _Layout] = {}     # id(bucket) -> the kernels' block tables
 
     def supports(self, groups: list[dict], buckets: list[FlatBucket] | None = None) -> bool:
         """Whether the groups' current options (and the buckets' devices) suit the kernels."""
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         return all(_group_ok(self.kind, g) for g in groups) and all(
             b.master.device.type == "cuda" or interpret for b in buckets or ())
+
+    def prepare(self, buckets: list[FlatBucket]) -> None:
+        """Upload the address tables of the buckets' current gradients (no host sync)."""
+        for bucket in buckets:
+            self._layout(bucket).set_grads(bucket.grads())
+
+    def _layout(self, bucket: FlatBucket) -> _Layout:
+        layout = self._layouts.get(id(bucket))
+        if layout is None:
+            layout = self._layouts[id(bucket)] = _Layout(bucket)
+        return layout
 
     def step(self, buckets: list[FlatBucket], grad_factor: float) -> bool:
         """One optimizer step on every bucket (grads times `grad_factor`).
@@ -116,16 +132,20 @@ class FusedStepper:
                 return False
         kernels = load_kernels()
         for bucket in buckets:
+            layout = self._layout(bucket)
+            if not layout.current(bucket):  # a gradient was replaced after the norm
+                layout.set_grads(bucket.grads())
             group = groups[bucket.group_index]
             if self.kind == "adam":
-                self._adam(kernels, bucket, group, grad_factor)
+                self._adam(kernels, bucket, layout, group, grad_factor)
             else:
-                self._sgd(kernels, bucket, group, grad_factor)
+                self._sgd(kernels, bucket, layout, group, grad_factor)
         self.optimizer._opt_called = True  # what torch's step wrapper records for LR schedulers
         return True
 
     # ---- the kernels' arguments --------------------------------------------------------
-    def _adam(self, kernels, bucket: FlatBucket, group: dict, grad_factor: float) -> None:
+    def _adam(self, kernels, bucket: FlatBucket, layout: _Layout, group: dict,
+              grad_factor: float) -> None:
         key = id(bucket)
         self._steps[key] += 1
         t = self._steps[key]
@@ -133,10 +153,9 @@ class FusedStepper:
         wd = _f(group["weight_decay"])
         decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
         flat = self._flat[key]
-        grid = (triton_cdiv(bucket.numel, _BLOCK),)
-        kernels.adam_kernel[grid](
-            bucket.half_grad, bucket.master, flat["exp_avg"], flat["exp_avg_sq"], bucket.half,
-            bucket.numel, grad_factor, 1.0 - lr * wd, wd, 1.0 - beta1, beta2, 1.0 - beta2,
+        kernels.adam_kernel[layout.grid](
+            *layout.args, bucket.master, flat["exp_avg"], flat["exp_avg_sq"], bucket.half,
+            grad_factor, 1.0 - lr * wd, wd, 1.0 - beta1, beta2, 1.0 - beta2,
             _f(group["eps"]), lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t),
             DECOUPLED=decoupled, MAXIMIZE=bool(group.get("maximize", False)),
             BLOCK=_BLOCK, num_warps=_WARPS)
@@ -144,17 +163,17 @@ class FusedStepper:
         # the norm's host sync until the kernel starts, so nothing else goes before it.
         torch._foreach_add_(self._step_tensors[key], 1)
 
-    def _sgd(self, kernels, bucket: FlatBucket, group: dict, grad_factor: float) -> None:
+    def _sgd(self, kernels, bucket: FlatBucket, layout: _Layout, group: dict,
+             grad_factor: float) -> None:
         momentum = _f(group["momentum"])
         flat = self._flat.get(id(bucket), {})
         first = momentum != 0 and "momentum_buffer" not in flat
         if first:
             flat = self._flat[id(bucket)] = {"momentum_buffer": torch.empty_like(bucket.master)}
             self._attach_views(bucket, flat, {})
-        grid = (triton_cdiv(bucket.numel, _BLOCK),)
-        kernels.sgd_kernel[grid](
-            bucket.half_grad, bucket.master, flat.get("momentum_buffer", bucket.master),
-            bucket.half, bucket.numel, grad_factor, _f(group["lr"]), momentum,
+        kernels.sgd_kernel[layout.grid](
+            *layout.args, bucket.master, flat.get("momentum_buffer", bucket.master),
+            bucket.half, grad_factor, _f(group["lr"]), momentum,
             1.0 - _f(group["dampening"]), _f(group["weight_decay"]),
             HAS_MOMENTUM=momentum != 0, FIRST=first, NESTEROV=bool(group["nesterov"]),
             MAXIMIZE=bool(group.get("maximize", False)), BLOCK=_BLOCK, num_warps=_WARPS)
@@ -215,10 +234,50 @@ class FusedStepper:
                           device=master.device if on_device else "cpu")
 
 
+class _Layout:
+    """The fused kernels' tables for one bucket: per program (BLOCK elements of one
+    parameter) the parameter's index and the block's start inside it; per parameter its
+    offset in the flat buffers, its size and the address of its current gradient (0: none).
+
+    The first four are fixed by the bucket; the address table is rewritten when a gradient
+    moved (after zero_grad(set_to_none=True) autograd allocates new ones, often at the same
+    addresses), from pinned memory without a host sync.
+    """
+
+    def __init__(self, bucket: FlatBucket):
+        dev = bucket.master.device
+        numels = torch.tensor([p.numel() for p in bucket.params], dtype=torch.int64)
+        blocks = (numels + _BLOCK - 1) // _BLOCK
+        first = torch.cumsum(blocks, 0) - blocks  # each parameter's first block
+        block_param = torch.repeat_interleave(torch.arange(len(blocks)), blocks)
+        block_start = (torch.arange(int(blocks.sum())) - first[block_param]) * _BLOCK
+        self.grid = (int(blocks.sum()),)
+        self._addrs = torch.zeros(len(blocks), dtype=torch.int64, device=dev)
+        self.args = (self._addrs, block_param.to(torch.int32).to(dev),
+                     block_start.to(torch.int32).to(dev),
+                     torch.tensor(bucket.offsets, dtype=torch.int64).to(dev), numels.to(dev))
+        self._pinned = dev.type == "cuda"
+        self._grads: list = []      # the gradients the table points at (kept alive)
+        self._uploaded: list = []   # their addresses
+
+    def set_grads(self, grads: list[torch.Tensor | None]) -> None:
+        addrs = [0 if g is None else g.data_ptr() for g in grads]
+        self._grads = grads
+        if addrs == self._uploaded:
+            return
+        host = torch.tensor(addrs, dtype=torch.int64)
+        if self._pinned:
+            host = host.pin_memory()  # the host allocator keeps it until the copy has run
+        self._addrs.copy_(host, non_blocking=self._pinned)
+        self._uploaded = addrs
+
+    def current(self, bucket: FlatBucket) -> bool:
+        """Whether every parameter's gradient is still the one the table points at."""
+        return len(self._grads) == len(bucket.params) and all(
+            p.grad is g for p, g in zip(bucket.params, self._grads))
+
+
 def _view(flat: torch.Tensor, bucket: FlatBucket, i: int) -> torch.Tensor:
     off, n = bucket.offsets[i], bucket.masters[i].numel()
     return flat[off:off + n].view_as(bucket.masters[i])
 
-
-def triton_cdiv(n: int, block: int) -> int:
-    return (n + block - 1) // block

@@ -1,22 +1,29 @@
 """fp32 master weights for half-precision parameters, held in flat buffers.
 
-For every (param group, device, dtype) of half parameters a `FlatBucket` owns four flat
-buffers with one layout (each parameter at an offset padded to `_ALIGN` elements, so the
-vectorised multi-tensor kernels see 16-byte aligned views):
+For every (param group, device, dtype) of half parameters a `FlatBucket` owns flat buffers
+with one layout (each parameter at an offset padded to `_ALIGN` elements, so the vectorised
+kernels see 16-byte aligned views):
 
-    half       model parameters (p.data is re-seated as a view into it)      2 B/elem
-    half_grad  model gradients  (p.grad is a view into it; backward
-               accumulates in place)                                       2 B/elem
-    master     fp32 masters     (the inner optimizer steps these views)    4 B/elem
-    master_grad fp32 master gradients                                      4 B/elem
-                (only for the exact path: the fused step, fused_step.py, reads
-                half_grad directly and never allocates it)
+    half        model parameters (p.data is re-seated as a view into it)     2 B/elem
+    master      fp32 masters (the inner optimizer steps these views)        4 B/elem
+    half_grad   model gradients (p.grad is a view into it; backward
+                accumulates in place)                                       2 B/elem
+    master_grad fp32 master gradients                                       4 B/elem
 
-so the per-step work is a handful of kernels per bucket, whatever the parameter count:
-one reduction for the norm and the inf/NaN check, one fused "unscale and widen" multiply
-(fp16 grad x fp32 factor -> fp32 master grad), the optimizer's own fused step on the master
-views, and one copy master -> half. Parameters are ordered so that those counted in the
-global gradient norm come first: the norm is a reduction over a prefix of the buffer.
+The last two exist for the exact path only. Its per-step work is a handful of kernels per
+bucket, whatever the parameter count: one reduction for the norm and the inf/NaN check, one
+fused "unscale and widen" multiply (fp16 grad x fp32 factor -> fp32 master grad), the
+optimizer's own fused step on the master views, and one copy master -> half.
+
+The fused step (fused_step.py, `flat_grads=False`) keeps no gradient buffer: p.grad is
+where autograd puts it. A gradient held in a flat buffer costs backward a zero fill and a
+read-modify-write add per step (8 B/param, ~2.8 ms a step at 1.3B parameters on an H200),
+where with `zero_grad(set_to_none=True)` autograd hands its fresh gradient over as p.grad at
+no cost; the fused kernel reads each parameter's gradient through a table of addresses. The
+norm is then one multi-tensor reduction over the gradients.
+
+Parameters are ordered so that those counted in the global gradient norm come first: the norm
+is a reduction over a prefix of the buffer (of the gradient list without flat gradients).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["FlatBucket", "MasterParams", "HALF_DTYPES", "power_sum"]
+__all__ = ["FlatBucket", "MasterParams", "HALF_DTYPES", "power_sum", "foreach_power_sum"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN = 64  # elements: 128 B for fp16, 256 B for fp32
@@ -46,11 +53,14 @@ class FlatBucket:
         uncounted: parameters that do not (TP-replicated copies off tp_rank 0, tied duplicates).
         group_index: the index of the optimizer param group the parameters belong to.
         master_grads: allocate the fp32 master-gradient buffer (the exact path needs it).
+        flat_grads: hold the half gradients in the flat `half_grad` buffer (the exact path);
+            False leaves p.grad where autograd puts it (the fused step reads it there).
     """
 
     def __init__(self, counted: list[torch.nn.Parameter], uncounted: list[torch.nn.Parameter],
-                 group_index: int = 0, master_grads: bool = True):
+                 group_index: int = 0, master_grads: bool = True, flat_grads: bool = True):
         self.params = counted + uncounted
+        self.n_counted = len(counted)
         self.group_index = group_index
         first = self.params[0]
         offsets, total = [], 0
@@ -62,28 +72,43 @@ class FlatBucket:
         self.offsets = offsets
         dev, dtype = first.device, first.dtype
         self.half = torch.zeros(total, dtype=dtype, device=dev)
-        self.half_grad = torch.zeros(total, dtype=dtype, device=dev)
         self.master = torch.zeros(total, dtype=torch.float32, device=dev)
-        self.master_grad = None
-        self.grad_views, self.masters = [], []
+        self.half_grad = self.master_grad = None
+        self.grad_views: list[torch.Tensor] | None = None
+        self.masters = []
         with torch.no_grad():
             for p, off in zip(self.params, offsets):
                 n = p.numel()
                 self.half[off:off + n].copy_(p.data.reshape(-1))
                 p.data = self.half[off:off + n].view_as(p)
-                self.grad_views.append(self.half_grad[off:off + n].view_as(p))
                 master = self.master[off:off + n].view_as(p)
                 for attr in _COPIED_ATTRS:
                     if getattr(p, attr, False):
                         setattr(master, attr, True)
                 self.masters.append(master)
             self.master.copy_(self.half)
+        if flat_grads or master_grads:
+            self._add_flat_grads()
         if master_grads:
             self.add_master_grads()
-        self.attach_grads()
+
+    @property
+    def flat_grads(self) -> bool:
+        """Whether the half gradients live in the flat `half_grad` buffer (exact path)."""
+        return self.half_grad is not None
+
+    def _add_flat_grads(self) -> None:
+        """Allocate half_grad, copy the current gradients in and attach p.grad as its views."""
+        self.half_grad = torch.zeros(self.numel, dtype=self.half.dtype, device=self.half.device)
+        self.grad_views = [self.half_grad[off:off + p.numel()].view_as(p)
+                           for p, off in zip(self.params, self.offsets)]
+        self.gather_grads()
 
     def add_master_grads(self) -> None:
-        """Allocate master_grad and make every master's .grad its view (exact path)."""
+        """Allocate master_grad and make every master's .grad its view (exact path); the half
+        gradients move into the flat half_grad buffer first if they were not there."""
+        if not self.flat_grads:
+            self._add_flat_grads()
         if self.master_grad is not None:
             return
         self.master_grad = torch.zeros_like(self.master)
@@ -91,17 +116,49 @@ class FlatBucket:
             master.grad = self.master_grad[off:off + master.numel()].view_as(master)
 
     def attach_grads(self) -> None:
-        """Make every p.grad the view into half_grad (autograd then accumulates in place)."""
-        for p, view in zip(self.params, self.grad_views):
-            p.grad = view
+        """Make every p.grad the view into half_grad (autograd then accumulates in place);
+        nothing without flat gradients."""
+        if self.flat_grads:
+            for p, view in zip(self.params, self.grad_views):
+                p.grad = view
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Zero the half gradients: the flat buffer in one kernel (views stay attached), or,
+        without flat gradients, p.grad = None (`set_to_none`) or zeroed where they are."""
+        if self.flat_grads:
+            self.half_grad.zero_()
+            self.attach_grads()
+        elif set_to_none:
+            for p in self.params:
+                p.grad = None
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """The half gradients (None where a parameter has none) for the fused kernels: each
+        contiguous and 16-byte aligned (a gradient a script assigned that is not is copied)."""
+        if self.flat_grads:
+            return list(self.grad_views)
+        out = []
+        for p in self.params:
+            g = p.grad
+            if g is not None and (not g.is_contiguous() or g.data_ptr() % 16):
+                # A fresh allocation is aligned (the caching allocator's blocks are).
+                g = p.grad = g.clone(memory_format=torch.contiguous_format)
+            out.append(g)
+        return out
 
     def gather_grads(self) -> None:
-        """Bring the model's gradients into half_grad.
+        """Bring the model's gradients into half_grad (only with flat gradients).
 
         The usual case costs nothing: backward accumulated into the views. If something
         replaced p.grad (set_to_none outside the optimizer, a reducer assigning new tensors),
         the gradients are copied in with one multi-tensor copy and the views re-attached.
         """
+        if not self.flat_grads:
+            return
         grads = [p.grad for p in self.params]
         if all(g is v for g, v in zip(grads, self.grad_views)):
             return
@@ -121,6 +178,11 @@ class FlatBucket:
 
         Either is non-finite iff a gradient holds inf/NaN (fp16 squares cannot overflow fp32).
         """
+        if not master and not self.flat_grads:
+            grads = [p.grad for p in self.params]
+            parts = ([g for g in grads[:self.n_counted] if g is not None],
+                     [g for g in grads[self.n_counted:] if g is not None])
+            return tuple(foreach_power_sum(part, norm_type, self.half.device) for part in parts)
         flat = self.master_grad if master else self.half_grad
         parts = (flat[:self.counted_end], flat[self.counted_end:])
         return tuple(power_sum(part, norm_type) for part in parts)
@@ -146,6 +208,18 @@ def power_sum(x: torch.Tensor, norm_type: float) -> torch.Tensor:
     return norm if norm_type == float("inf") else norm.pow(norm_type)
 
 
+def foreach_power_sum(tensors: list[torch.Tensor], norm_type: float,
+                      device: torch.device) -> torch.Tensor:
+    """sum |x|^p (max |x| for p = inf) over tensors on one device as an fp64 scalar: each
+    tensor's norm taken in fp32 by one multi-tensor kernel (not one launch per tensor)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+    if norm_type == float("inf"):
+        return norms.max().double()
+    return norms.double().pow(norm_type).sum()
+
+
 class MasterParams:
     """fp32 masters for the half parameters of an optimizer's param groups.
 
@@ -156,7 +230,8 @@ class MasterParams:
     Args:
         param_groups: the inner optimizer's param_groups (modified in place).
         counts: whether a parameter counts in the global gradient norm.
-        master_grads: give buckets an fp32 master-gradient buffer (False for the fused step).
+        master_grads: give buckets flat half and fp32 master-gradient buffers (False for the
+            fused step: gradients stay where autograd puts them).
     """
 
     def __init__(self, param_groups: list[dict], *, counts: Callable[[torch.nn.Parameter], bool],
@@ -189,7 +264,8 @@ class MasterParams:
                 self.full_precision.append(p)
                 self.full_precision_counted.append(counts(p))
         for counted, uncounted in keyed.values():
-            bucket = FlatBucket(counted, uncounted, len(self._groups), self.master_grads)
+            bucket = FlatBucket(counted, uncounted, len(self._groups), self.master_grads,
+                                flat_grads=self.master_grads)
             self.buckets.append(bucket)
             for p, m in zip(bucket.params, bucket.masters):
                 self.model_to_master[id(p)] = m
@@ -203,10 +279,9 @@ class MasterParams:
             bucket.add_master_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the half grads (one kernel per bucket; views stay attached) and fp32 grads."""
+        """Zero the half grads (FlatBucket.zero_grad) and the fp32 parameters' grads."""
         for bucket in self.buckets:
-            bucket.half_grad.zero_()
-            bucket.attach_grads()
+            bucket.zero_grad(set_to_none)
         if set_to_none:
             for p in self.full_precision:
                 p.grad = None
