@@ -4,8 +4,9 @@ Parts (each prints a short table and adds to one JSON):
   attention  fwd+bwd of SDPA at the preset's shape with each backend (flash, efficient, cudnn)
   ce         cross entropy of half logits [b*s, vocab]: F.cross_entropy(logits.float()) against
              fp16/fused_loss.cross_entropy: time fwd+bwd, peak memory, loss and grad difference
-  adam       the fused Adam kernel on a flat bucket of the preset's size, by BLOCK / num_warps,
-             against the 28 B/param floor at the measured copy bandwidth
+  adam       the fused Adam and norm kernels on a bucket of the preset model's parameter
+             shapes, by BLOCK / num_warps, against the 28 B/param floor at the measured copy
+             bandwidth; host time of one launch and of FusedStepper.step()
   profile    torch.profiler over 2 smp steps of fp16_gpu.py's model (--smp-loss, --sdpa):
              CUDA time by kernel family, and the share of the step the GPU is busy
 
@@ -124,32 +125,75 @@ def part_ce(cfg) -> dict:
     return res
 
 
-def part_adam(cfg, n_params) -> dict:
+def part_adam(cfg) -> dict:
+    """The fused step's kernels on a bucket of the preset model's own parameter shapes, their
+    gradients as separate tensors (as autograd leaves them): Adam and the norm by BLOCK /
+    num_warps against the 28 B/param (2 B/param) floor at the measured copy bandwidth, and
+    the host time of one Adam launch (Triton's launcher) and of FusedStepper.step()."""
     from fp16_sdk.modelparallel.torch.fp16 import fused_kernels as K
-    n = n_params
-    g16 = torch.randn(n, device="cuda").half()
-    master, m, v = torch.randn(n, device="cuda"), torch.zeros(n, device="cuda"), torch.rand(n, device="cuda")
-    half = torch.empty(n, device="cuda", dtype=torch.float16)
+    from fp16_sdk.modelparallel.torch.fp16.fused_step import FusedStepper, Layout
+    from fp16_sdk.modelparallel.torch.fp16.master_params import FlatBucket
+    with torch.device("meta"):
+        shapes = [p.shape for p in fp16_gpu.GPT(**cfg).parameters()]
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.float16) * 0.02)
+              for s in shapes]
+    bucket = FlatBucket(params, [], master_grads=False, flat_grads=False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    n = sum(p.numel() for p in params)
+    m, v = torch.zeros_like(bucket.master), torch.rand_like(bucket.master)
     src = torch.empty(n * 2, device="cuda", dtype=torch.float32)
     dst = torch.empty_like(src)
     copy_ms = _bench(lambda: dst.copy_(src))
     bw = 2 * src.numel() * 4 / copy_ms / 1e9  # TB/s... in GB/ms
     floor_ms = 28 * n / (bw * 1e9)
-    res = {"numel": n, "copy_tb_s": bw, "floor_ms_at_copy_bw": floor_ms, "variants": []}
-    print(f"  copy bandwidth {bw:.2f} TB/s, floor {floor_ms:.2f} ms for {n / 1e6:.0f}M params")
-    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
-        grid = ((n + block - 1) // block,)
+    del src, dst
+    res = {"numel": n, "tensors": len(params), "copy_tb_s": bw, "floor_ms_at_copy_bw": floor_ms,
+           "variants": []}
+    print(f"  copy bandwidth {bw:.2f} TB/s, floor {floor_ms:.2f} ms for {n / 1e6:.0f}M params "
+          f"in {len(params)} tensors")
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+        layout = Layout(bucket, block)
+        layout.set_grads(bucket.grads())
 
-        def step():
-            K.adam_kernel[grid](g16, master, m, v, half, n, 1e-5, 1.0 - 3e-7, 1e-3, 0.1, 0.999,
-                                0.001, 1e-8, 3e-4, 0.03, DECOUPLED=True, MAXIMIZE=False,
-                                BLOCK=block, num_warps=warps)
-        ms = _bench(step, iters=20)
-        res["variants"].append({"block": block, "warps": warps, "ms": ms, "x_floor": ms / floor_ms})
-        print(f"  adam BLOCK {block:5} warps {warps:2}: {ms:6.3f} ms = {ms / floor_ms:.3f}x floor")
-    norm_ms = _bench(lambda: torch.linalg.vector_norm(g16, 2, dtype=torch.float32))
-    res["norm_ms"] = norm_ms
-    print(f"  grad norm (fp16 -> fp32 reduction): {norm_ms:.3f} ms")
+        def adam():
+            K.adam_kernel[layout.grid](
+                layout.table, *layout.block_args, *layout.flat_args, bucket.master, m, v,
+                bucket.half, 1e-5, 1.0 - 3e-7, 1e-3, 0.1, 0.999, 0.001, 1e-8, 3e-4, 0.03,
+                DECOUPLED=True, MAXIMIZE=False, BLOCK=block, num_warps=warps)
+
+        def norm():
+            K.grad_power_kernel[layout.grid](layout.table, *layout.block_args, bucket.half,
+                                             layout.partials, INF=False, BLOCK=block,
+                                             num_warps=warps)
+        ms, norm_ms = _bench(adam, iters=20), _bench(norm, iters=20)
+        res["variants"].append({"block": block, "warps": warps, "ms": ms, "x_floor": ms / floor_ms,
+                                "norm_ms": norm_ms, "norm_x_floor": norm_ms * 14 / floor_ms})
+        print(f"  BLOCK {block:5} warps {warps:2}: adam {ms:6.3f} ms = {ms / floor_ms:.3f}x floor, "
+              f"norm {norm_ms:.3f} ms = {norm_ms * 14 / floor_ms:.3f}x its floor")
+    res["torch_norm_ms"] = _bench(lambda: torch.linalg.vector_norm(bucket.half, 2,
+                                                                  dtype=torch.float32))
+    print(f"  torch's vector_norm over a flat fp16 buffer of that size: "
+          f"{res['torch_norm_ms']:.3f} ms")
+    # Host time: Triton's launcher for one Adam launch, and the whole FusedStepper.step().
+    layout = Layout(bucket)
+    layout.set_grads(bucket.grads())
+    block, warps = layout.block, 4
+    stepper = FusedStepper("adam", torch.optim.AdamW(bucket.masters, lr=1e-4))
+    host = {"launch": [], "step": []}
+    for i in range(25):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        adam()
+        host["launch"].append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stepper.step([bucket], 1e-5)
+        host["step"].append(time.perf_counter() - t0)
+    for key, ts in host.items():
+        res[f"host_{key}_us"] = sorted(ts[5:])[len(ts[5:]) // 2] * 1e6
+    print(f"  host: one Adam launch {res['host_launch_us']:.0f} us, FusedStepper.step() "
+          f"{res['host_step_us']:.0f} us (medians)")
     return res
 
 
@@ -298,7 +342,7 @@ def main(argv=None) -> int:
         elif part == "ce":
             out[part] = part_ce(cfg)
         elif part == "adam":
-            out[part] = part_adam(cfg, 1316 * 10**6 if args.preset == "1.3b" else 355 * 10**6)
+            out[part] = part_adam(cfg)
         elif part == "attention_model":
             out[part] = part_attention(cfg, layout="model")
         elif part.startswith("profile"):  # profile, profile:smp_nn, profile:autocast

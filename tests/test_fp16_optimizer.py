@@ -275,12 +275,19 @@ def test_fused_step_matches_torch_optimizer(start, device, name):
     for i, (x, y) in enumerate(batches(5)):
         opt.zero_grad()
         train_step(model, x.to(dev), y.to(dev))
-        for r, p in zip(ref, params):
-            r.grad = p.grad.float() / opt.loss_scale
-        full = float(torch.linalg.vector_norm(torch.cat([r.grad.reshape(-1) for r in ref])))
+        unscaled = [p.grad.float() / opt.loss_scale for p in params]
+        full = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in unscaled])))
         max_norm = full / 2 if i % 2 else 1e6
-        want = float(torch.nn.utils.clip_grad_norm_(ref, max_norm))
-        assert opt.clip_master_grads(max_norm) == pytest.approx(want, rel=1e-5)
+        norm = opt.clip_master_grads(max_norm)
+        assert norm == pytest.approx(full, rel=1e-5)
+        # The reference steps on the gradient the spec defines, from the norm returned:
+        # g * min(1, max_norm / (norm + 1e-6)) / loss_scale, that factor rounded to fp32 once
+        # (as torch rounds a scalar), so an element where Adam's L2 term cancels the gradient
+        # cannot flip sign on the last bit of two norms summed in different orders.
+        factor = torch.tensor(min(1.0, max_norm / (norm + 1e-6)) / opt.loss_scale,
+                              dtype=torch.float32)
+        for r, p in zip(ref, params):
+            r.grad = p.grad.float() * factor.to(p.device)
         opt.step()
         ref_opt.step()
         for sched in scheds:
@@ -342,6 +349,37 @@ def test_fused_step_reads_gradients_where_autograd_puts_them(start, device):
         for m, r, p in zip(masters, ref, params):
             torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=2e-6)
             assert torch.equal(p.detach(), m.detach().half())
+
+
+@pytest.mark.parametrize("device", FUSED_DEVICES)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0])
+def test_fused_norm_matches_torch(start, device, norm_type):
+    """The fused path's gradient norm (its own kernel for p = 2 and inf, the multi-tensor
+    reduction otherwise) equals torch's clip_grad_norm_ on the unscaled fp32 gradients, with
+    a parameter without gradient; an inf or a NaN in one gradient is an overflow (-1)."""
+    dev = start({"fp16": True}, device)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(TinyGPT())
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   dynamic_loss_scale=True, init_scale=2**10)
+    params = list(model.parameters())
+    x, y = batches(1)[0]
+    for poison in (None, float("inf"), float("nan")):
+        opt.zero_grad()
+        train_step(model, x.to(dev), y.to(dev))
+        params[3].grad = None
+        ref = [(p.grad.float() / opt.loss_scale).requires_grad_() for p in params
+               if p.grad is not None]
+        if poison is not None:
+            params[-1].grad.view(-1)[5] = poison
+        norm = opt.clip_master_grads(1e9, norm_type=norm_type)
+        if poison is None:
+            want = float(torch.nn.utils.get_total_norm(ref, norm_type))
+            assert norm == pytest.approx(want, rel=1e-5)
+        else:
+            assert norm == -1
+        opt.step()
+        assert opt.overflow == (poison is not None)
 
 
 @pytest.mark.parametrize("device", FUSED_DEVICES)

@@ -256,7 +256,10 @@ class FusedHalf(Masters):
         self.stepper.prepare(self.masters.buckets)
 
     def _bucket_power_sums(self, norm_type: float, *, unscaled: bool) -> tuple[list, list]:
-        return super()._bucket_power_sums(norm_type, unscaled=False)  # always the raw grads
+        """Always of the raw grads, by the stepper's norm kernel (on the kernels' tables)."""
+        pairs = [self.stepper.power_sums(b, norm_type) or b.grad_power_sums(norm_type)
+                 for b in self.masters.buckets]
+        return [c for c, _ in pairs], [u for _, u in pairs]
 
     def unscaled_norm(self, norm: float, grad_factor: float) -> float:
         return norm * grad_factor  # |f g| = f |g|: the kernel applies f

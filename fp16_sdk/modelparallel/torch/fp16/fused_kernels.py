@@ -17,46 +17,72 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["adam_kernel", "sgd_kernel", "ce_forward_kernel", "ce_backward_kernel",
-           "gelu_forward_kernel", "gelu_backward_kernel", "widen_kernel"]
+__all__ = ["adam_kernel", "sgd_kernel", "grad_power_kernel", "ce_forward_kernel",
+           "ce_backward_kernel", "gelu_forward_kernel", "gelu_backward_kernel", "widen_kernel"]
 
 
 @triton.jit
-def _block_of_tensor(grad_addrs, block_param, block_start, param_offset, param_numel,
-                     dtype: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """This program's BLOCK elements of one parameter: (pointers to its half gradient, offsets
-    into the bucket's flat buffers, the elements' mask, the gradient loads' mask). A block never
-    spans two parameters; a zero address (no gradient) masks every gradient load: it reads 0."""
+def _grad_block(grad_table, n_params, block_param, block_start, base_ptr, BLOCK: tl.constexpr):
+    """This program's block: (parameter index i, element indices inside the parameter, the
+    half gradient's values there in fp32).
+
+    grad_table holds per parameter the gradient's offset in elements from base_ptr (the
+    bucket's half buffer: relative offsets keep the 16-byte alignment visible to the compiler,
+    so the loads are vectorised) and then its element count (0 when it has none: it reads 0).
+    Only a parameter's last block needs a mask: reading past the gradient could leave its
+    allocation."""
     pid = tl.program_id(0)
     i = tl.load(block_param + pid)
-    idx = tl.load(block_start + pid).to(tl.int64) + tl.arange(0, BLOCK)
-    idx = tl.max_contiguous(tl.multiple_of(idx, 8), 8)
-    addr = tl.load(grad_addrs + i)
-    mask = idx < tl.load(param_numel + i)
-    # Gradients are 16-byte aligned (FlatBucket.grads checks it): 16-byte vector loads.
-    grad = tl.multiple_of(addr.to(tl.pointer_type(dtype)), 16)
-    return grad + idx, tl.load(param_offset + i) + idx, mask, mask & (addr != 0)
+    start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
+    idx = start.to(tl.int64) + tl.arange(0, BLOCK)
+    delta = tl.multiple_of(tl.load(grad_table + i), 8)  # gradients are 16-byte aligned
+    count = tl.load(grad_table + n_params + i)
+    ptrs = base_ptr + delta + idx
+    if start + BLOCK <= count:
+        g = tl.load(ptrs)
+    else:
+        g = tl.load(ptrs, mask=idx < count, other=0.0)
+    return i, idx, g.to(tl.float32)
 
 
 @triton.jit
-def adam_kernel(grad_addrs, block_param, block_start, param_offset, param_numel,
+def _flat_block(i, idx, param_offset, param_padded):
+    """Offsets and mask of the block in the bucket's flat buffers: parameter i's elements and
+    its padding (stepping padding is harmless: no parameter sees it), not the next one's."""
+    offs = tl.multiple_of(tl.load(param_offset + i), 64) + idx
+    return offs, idx < tl.multiple_of(tl.load(param_padded + i), 64)
+
+
+@triton.jit
+def grad_power_kernel(grad_table, n_params, block_param, block_start, base_ptr, out_ptr,
+                      INF: tl.constexpr, BLOCK: tl.constexpr):
+    """out[program] = sum g^2 over the block (INF: max |g|), in fp32; inf/NaN propagate (for
+    INF through a sum of g * 0, since a max may drop NaN)."""
+    i, idx, g = _grad_block(grad_table, n_params, block_param, block_start, base_ptr, BLOCK)
+    if INF:
+        r = tl.max(tl.abs(g), axis=0) + tl.sum(g * 0.0, axis=0)
+    else:
+        r = tl.sum(g * g, axis=0)
+    tl.store(out_ptr + tl.program_id(0), r)
+
+
+@triton.jit
+def adam_kernel(grad_table, n_params, block_param, block_start, param_offset, param_padded,
                 master_ptr, exp_avg_ptr, exp_avg_sq_ptr, half_ptr,
                 grad_factor, decay, weight_decay, one_m_beta1, beta2, one_m_beta2, eps,
                 step_size, bc2_sqrt,
                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
     """One Adam(W) step on BLOCK elements of one parameter.
 
-    Parameter i's gradient is at address grad_addrs[i] (where autograd put it); its master,
-    exp_avg, exp_avg_sq and half parameter at param_offset[i] in the bucket's flat buffers.
+    The gradient is read where autograd put it (_grad_block); master, exp_avg, exp_avg_sq and
+    the half parameter at the parameter's offset in the bucket's flat buffers (_flat_block).
     Scalars come from the host in double precision, rounded once to fp32 as torch's kernels
     round theirs: grad_factor = clip_coeff / loss_scale, decay = 1 - lr * wd (AdamW),
     step_size = lr / (1 - beta1**t), bc2_sqrt = sqrt(1 - beta2**t) for step count t.
     """
-    gptrs, offs, mask, gmask = _block_of_tensor(grad_addrs, block_param, block_start,
-                                                param_offset, param_numel,
-                                                half_ptr.dtype.element_ty, BLOCK)
-    g = tl.load(gptrs, mask=gmask, other=0.0).to(tl.float32) * grad_factor
+    i, idx, g = _grad_block(grad_table, n_params, block_param, block_start, half_ptr, BLOCK)
+    offs, mask = _flat_block(i, idx, param_offset, param_padded)
+    g = g * grad_factor
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
@@ -77,17 +103,16 @@ def adam_kernel(grad_addrs, block_param, block_start, param_offset, param_numel,
 
 
 @triton.jit
-def sgd_kernel(grad_addrs, block_param, block_start, param_offset, param_numel,
+def sgd_kernel(grad_table, n_params, block_param, block_start, param_offset, param_padded,
                master_ptr, buf_ptr, half_ptr,
                grad_factor, lr, momentum, one_m_dampening, weight_decay,
                HAS_MOMENTUM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
                MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
     """One SGD step on BLOCK elements of one parameter (torch.optim.SGD's rules; FIRST: no
     buffer yet); the layout arguments as adam_kernel's."""
-    gptrs, offs, mask, gmask = _block_of_tensor(grad_addrs, block_param, block_start,
-                                                param_offset, param_numel,
-                                                half_ptr.dtype.element_ty, BLOCK)
-    g = tl.load(gptrs, mask=gmask, other=0.0).to(tl.float32) * grad_factor
+    i, idx, g = _grad_block(grad_table, n_params, block_param, block_start, half_ptr, BLOCK)
+    offs, mask = _flat_block(i, idx, param_offset, param_padded)
+    g = g * grad_factor
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     if MAXIMIZE:
         g = -g

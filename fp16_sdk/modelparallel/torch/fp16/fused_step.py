@@ -31,7 +31,7 @@ import torch
 from .master_params import HALF_DTYPES, FlatBucket
 from .triton_path import load_kernels
 
-__all__ = ["FusedStepper", "fused_kind", "triton_available", "FUSED_ENV"]
+__all__ = ["FusedStepper", "Layout", "fused_kind", "triton_available", "FUSED_ENV"]
 
 FUSED_ENV = "SMP_FUSED_OPTIMIZER"
 _BLOCK, _WARPS = 1024, 4  # 8 elements a thread: 16-byte fp32 and 8-byte fp16 accesses
@@ -98,7 +98,7 @@ class FusedStepper:
         self._flat: dict[int, dict[str, torch.Tensor]] = {}  # id(bucket) -> key -> flat buffer
         self._steps: dict[int, int] = {}                     # id(bucket) -> Adam step count
         self._step_tensors: dict[int, list] = {}  # id(bucket) -> state[master]["step"] tensors
-        self._layouts: dict[int, _Layout] = {}     # id(bucket) -> the kernels' block tables
+        self._layouts: dict[int, Layout] = {}     # id(bucket) -> the kernels' block tables
 
     def supports(self, groups: list[dict], buckets: list[FlatBucket] | None = None) -> bool:
         """Whether the groups' current options (and the buckets' devices) suit the kernels."""
@@ -111,10 +111,34 @@ class FusedStepper:
         for bucket in buckets:
             self._layout(bucket).set_grads(bucket.grads())
 
-    def _layout(self, bucket: FlatBucket) -> _Layout:
+    def power_sums(self, bucket: FlatBucket, norm_type: float
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(counted, uncounted) sums of g^2 (max |g| for inf) over the bucket's half
+        gradients as fp64 scalars, from one kernel (per-block fp32 partials); None for other
+        p-norms (the caller takes the multi-tensor reduction)."""
+        if norm_type not in (2.0, math.inf):
+            return None
+        layout = self._layout(bucket)
+        if not layout.current(bucket):
+            layout.set_grads(bucket.grads())
+        if not layout.grid[0]:
+            zero = torch.zeros((), dtype=torch.float64, device=bucket.master.device)
+            return zero, zero
+        inf = norm_type == math.inf
+        load_kernels().grad_power_kernel[layout.grid](
+            layout.table, *layout.block_args, bucket.half, layout.partials, INF=inf,
+            BLOCK=layout.block, num_warps=_WARPS)
+        parts = layout.partials.double()
+        c, u = parts[:layout.counted_blocks], parts[layout.counted_blocks:]
+        if inf:
+            return (c.max() if c.numel() else parts.new_zeros(()),
+                    u.max() if u.numel() else parts.new_zeros(()))
+        return c.sum(), u.sum()
+
+    def _layout(self, bucket: FlatBucket) -> Layout:
         layout = self._layouts.get(id(bucket))
         if layout is None:
-            layout = self._layouts[id(bucket)] = _Layout(bucket)
+            layout = self._layouts[id(bucket)] = Layout(bucket)
         return layout
 
     def step(self, buckets: list[FlatBucket], grad_factor: float) -> bool:
@@ -144,7 +168,7 @@ class FusedStepper:
         return True
 
     # ---- the kernels' arguments --------------------------------------------------------
-    def _adam(self, kernels, bucket: FlatBucket, layout: _Layout, group: dict,
+    def _adam(self, kernels, bucket: FlatBucket, layout: Layout, group: dict,
               grad_factor: float) -> None:
         key = id(bucket)
         self._steps[key] += 1
@@ -154,16 +178,16 @@ class FusedStepper:
         decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
         flat = self._flat[key]
         kernels.adam_kernel[layout.grid](
-            *layout.args, bucket.master, flat["exp_avg"], flat["exp_avg_sq"], bucket.half,
+            layout.table, *layout.block_args, *layout.flat_args, bucket.master, flat["exp_avg"], flat["exp_avg_sq"], bucket.half,
             grad_factor, 1.0 - lr * wd, wd, 1.0 - beta1, beta2, 1.0 - beta2,
             _f(group["eps"]), lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t),
             DECOUPLED=decoupled, MAXIMIZE=bool(group.get("maximize", False)),
-            BLOCK=_BLOCK, num_warps=_WARPS)
+            BLOCK=layout.block, num_warps=_WARPS)
         # The per-parameter step counts torch keeps, after the launch: the GPU is idle from
         # the norm's host sync until the kernel starts, so nothing else goes before it.
         torch._foreach_add_(self._step_tensors[key], 1)
 
-    def _sgd(self, kernels, bucket: FlatBucket, layout: _Layout, group: dict,
+    def _sgd(self, kernels, bucket: FlatBucket, layout: Layout, group: dict,
              grad_factor: float) -> None:
         momentum = _f(group["momentum"])
         flat = self._flat.get(id(bucket), {})
@@ -172,11 +196,12 @@ class FusedStepper:
             flat = self._flat[id(bucket)] = {"momentum_buffer": torch.empty_like(bucket.master)}
             self._attach_views(bucket, flat, {})
         kernels.sgd_kernel[layout.grid](
-            *layout.args, bucket.master, flat.get("momentum_buffer", bucket.master),
+            layout.table, *layout.block_args, *layout.flat_args, bucket.master, flat.get("momentum_buffer", bucket.master),
             bucket.half, grad_factor, _f(group["lr"]), momentum,
             1.0 - _f(group["dampening"]), _f(group["weight_decay"]),
             HAS_MOMENTUM=momentum != 0, FIRST=first, NESTEROV=bool(group["nesterov"]),
-            MAXIMIZE=bool(group.get("maximize", False)), BLOCK=_BLOCK, num_warps=_WARPS)
+            MAXIMIZE=bool(group.get("maximize", False)), BLOCK=layout.block,
+            num_warps=_WARPS)
 
     # ---- state held flat ---------------------------------------------------------------
     def _in_sync(self, bucket: FlatBucket) -> bool:
@@ -234,42 +259,52 @@ class FusedStepper:
                           device=master.device if on_device else "cpu")
 
 
-class _Layout:
+class Layout:
     """The fused kernels' tables for one bucket: per program (BLOCK elements of one
     parameter) the parameter's index and the block's start inside it; per parameter its
-    offset in the flat buffers, its size and the address of its current gradient (0: none).
+    offset in the flat buffers and its padded size; and the grad table (fused_kernels.py's
+    _grad_block): each current gradient's offset from the bucket's half buffer and its size.
 
-    The first four are fixed by the bucket; the address table is rewritten when a gradient
-    moved (after zero_grad(set_to_none=True) autograd allocates new ones, often at the same
-    addresses), from pinned memory without a host sync.
+    The grad table is rewritten when a gradient moved (after zero_grad(set_to_none=True)
+    autograd allocates new ones, often at the same addresses). Every upload goes through
+    pinned memory without a host sync.
     """
 
-    def __init__(self, bucket: FlatBucket):
-        dev = bucket.master.device
-        numels = torch.tensor([p.numel() for p in bucket.params], dtype=torch.int64)
-        blocks = (numels + _BLOCK - 1) // _BLOCK
+    def __init__(self, bucket: FlatBucket, block: int = _BLOCK):
+        self.base, self.block = bucket.half, block
+        numels = [p.numel() for p in bucket.params]
+        padded = [b - a for a, b in zip(bucket.offsets, bucket.offsets[1:] + [bucket.numel])]
+        blocks = torch.tensor([(n + block - 1) // block for n in numels], dtype=torch.int64)
         first = torch.cumsum(blocks, 0) - blocks  # each parameter's first block
-        block_param = torch.repeat_interleave(torch.arange(len(blocks)), blocks)
-        block_start = (torch.arange(int(blocks.sum())) - first[block_param]) * _BLOCK
+        block_param = torch.repeat_interleave(torch.arange(len(numels)), blocks)
+        block_start = (torch.arange(int(blocks.sum())) - first[block_param]) * block
+        self.n = len(numels)
         self.grid = (int(blocks.sum()),)
-        self._addrs = torch.zeros(len(blocks), dtype=torch.int64, device=dev)
-        self.args = (self._addrs, block_param.to(torch.int32).to(dev),
-                     block_start.to(torch.int32).to(dev),
-                     torch.tensor(bucket.offsets, dtype=torch.int64).to(dev), numels.to(dev))
-        self._pinned = dev.type == "cuda"
+        self.counted_blocks = int(blocks[:bucket.n_counted].sum())
+        self._pinned = self.base.device.type == "cuda"
+        self.block_args = (self.n, self._upload(block_param.to(torch.int32)),
+                           self._upload(block_start.to(torch.int32)))
+        self.flat_args = (self._upload(torch.tensor(bucket.offsets, dtype=torch.int64)),
+                          self._upload(torch.tensor(padded, dtype=torch.int64)))
+        self.table = torch.zeros(2 * self.n, dtype=torch.int64, device=self.base.device)
+        self.partials = torch.empty(self.grid[0], dtype=torch.float32, device=self.base.device)
         self._grads: list = []      # the gradients the table points at (kept alive)
-        self._uploaded: list = []   # their addresses
+        self._uploaded: list = []   # the table's values
 
-    def set_grads(self, grads: list[torch.Tensor | None]) -> None:
-        addrs = [0 if g is None else g.data_ptr() for g in grads]
-        self._grads = grads
-        if addrs == self._uploaded:
-            return
-        host = torch.tensor(addrs, dtype=torch.int64)
+    def _upload(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty_like(host, device=self.base.device) if out is None else out
         if self._pinned:
             host = host.pin_memory()  # the host allocator keeps it until the copy has run
-        self._addrs.copy_(host, non_blocking=self._pinned)
-        self._uploaded = addrs
+        return out.copy_(host, non_blocking=self._pinned)
+
+    def set_grads(self, grads: list[torch.Tensor | None]) -> None:
+        base, size = self.base.data_ptr(), self.base.element_size()
+        values = [0 if g is None else (g.data_ptr() - base) // size for g in grads] + \
+            [0 if g is None else g.numel() for g in grads]
+        self._grads = grads
+        if values != self._uploaded:
+            self._upload(torch.tensor(values, dtype=torch.int64), self.table)
+            self._uploaded = values
 
     def current(self, bucket: FlatBucket) -> bool:
         """Whether every parameter's gradient is still the one the table points at."""
