@@ -153,19 +153,20 @@ def part_adam(cfg) -> dict:
     print(f"  copy bandwidth {bw:.2f} TB/s, floor {floor_ms:.2f} ms for {n / 1e6:.0f}M params "
           f"in {len(params)} tensors")
     for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
-        layout = Layout(bucket, block)
+        layout = Layout(bucket, block, norm_block=block)
         layout.set_grads(bucket.grads())
+        steps, norms = layout.step, layout.norm
 
         def adam():
-            K.adam_kernel[layout.grid](
-                layout.table, *layout.block_args, *layout.flat_args, bucket.master, m, v,
+            K.adam_kernel[steps.grid](
+                layout.table, layout.n, *steps.args, *layout.flat_args, bucket.master, m, v,
                 bucket.half, 1e-5, 1.0 - 3e-7, 1e-3, 0.1, 0.999, 0.001, 1e-8, 3e-4, 0.03,
                 DECOUPLED=True, MAXIMIZE=False, BLOCK=block, num_warps=warps)
 
         def norm():
-            K.grad_power_kernel[layout.grid](layout.table, *layout.block_args, bucket.half,
-                                             layout.partials, INF=False, BLOCK=block,
-                                             num_warps=warps)
+            K.grad_power_kernel[norms.grid](layout.table, layout.n, *norms.args, bucket.half,
+                                            layout.partials, INF=False, BLOCK=block,
+                                            num_warps=warps)
         ms, norm_ms = _bench(adam, iters=20), _bench(norm, iters=20)
         res["variants"].append({"block": block, "warps": warps, "ms": ms, "x_floor": ms / floor_ms,
                                 "norm_ms": norm_ms, "norm_x_floor": norm_ms * 14 / floor_ms})
@@ -178,7 +179,7 @@ def part_adam(cfg) -> dict:
     # Host time: Triton's launcher for one Adam launch, and the whole FusedStepper.step().
     layout = Layout(bucket)
     layout.set_grads(bucket.grads())
-    block, warps = layout.block, 4
+    steps, block, warps = layout.step, layout.step.block, 4
     stepper = FusedStepper("adam", torch.optim.AdamW(bucket.masters, lr=1e-4))
     host = {"launch": [], "step": []}
     for i in range(25):

@@ -31,8 +31,9 @@ accumulate into `.grad` unreduced (like DDP's no_sync), and the sum is not divid
 
 A group of one rank (dp = 1) has nothing to exchange: its buckets own no flat buffer, and a
 bucket's "launch" only divides the gradients in place (one multi-tensor kernel, and none when
-the divisor is 1), so `.grad` keeps its storage (the fp16 optimizer's flat buffer views) and
-the step costs no extra pass over the gradients and no extra memory. When every group has
+the divisor is 1), so `.grad` keeps its storage (the exact fp16 path's flat buffer views,
+the fused path's autograd tensors) and the step costs no extra pass over the gradients and
+no extra memory. When every group has
 one rank no hooks are registered at all: `finish()` does the divisions after backward.
 """
 

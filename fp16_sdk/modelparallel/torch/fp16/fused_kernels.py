@@ -8,7 +8,11 @@ element the Adam kernel reads the half gradient (2 B), the fp32 master, exp_avg 
 exp_avg_sq (12 B), writes those three back (12 B) and writes the half parameter (2 B): 28 B,
 the optimizer step's floor.
 The arithmetic follows torch.optim.Adam/AdamW's (foreach) formulas operation by operation,
-with IEEE-rounded sqrt and division, so the masters match torch's to a few fp32 ulps.
+with IEEE-rounded sqrt and division, so the masters match torch's to a few fp32 ulps. The
+L2 term is an explicit fma on the already scaled gradient, as torch's CUDA kernel computes
+grad + wd * param: left to the compiler, the contraction may instead round wd * param and
+fuse grad * factor, which differs where the two terms cancel (and Adam's update there is
+sign(grad), so one ulp moves the parameter by lr).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def adam_kernel(grad_table, n_params, block_param, block_start, param_offset, pa
     if DECOUPLED:
         p = p * decay                              # AdamW: param.mul_(1 - lr * wd)
     else:
-        g = g + weight_decay * p                   # Adam: grad.add(param, alpha=wd)
+        g = tl.fma(p, weight_decay, g)             # Adam: grad.add(param, alpha=wd)
     m = m + one_m_beta1 * (g - m)                  # exp_avg.lerp_(grad, 1 - beta1)
     v = v * beta2 + one_m_beta2 * (g * g)          # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
@@ -116,7 +120,7 @@ def sgd_kernel(grad_table, n_params, block_param, block_start, param_offset, par
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     if MAXIMIZE:
         g = -g
-    g = g + weight_decay * p                       # grad.add(param, alpha=wd)
+    g = tl.fma(p, weight_decay, g)                 # grad.add(param, alpha=wd)
     if HAS_MOMENTUM:
         if FIRST:
             buf = g                                # buf = clone(grad)

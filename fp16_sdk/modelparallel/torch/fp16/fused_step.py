@@ -24,6 +24,7 @@ load_state_dict replaced is copied back into the flat buffers at the next step.
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import torch
@@ -35,6 +36,9 @@ __all__ = ["FusedStepper", "Layout", "fused_kind", "triton_available", "FUSED_EN
 
 FUSED_ENV = "SMP_FUSED_OPTIMIZER"
 _BLOCK, _WARPS = 1024, 4  # 8 elements a thread: 16-byte fp32 and 8-byte fp16 accesses
+# The norm reads 2 B an element: programs of 1024 leave it ~35% over its floor on an H200 at
+# 1.3B parameters (1.035 ms), of 2048 at ~5% (0.782 ms; benchmarks/fp16_profile.py --parts adam).
+_NORM_BLOCK = 2048
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 _SGD_KEYS = ("momentum_buffer",)
 
@@ -121,15 +125,16 @@ class FusedStepper:
         layout = self._layout(bucket)
         if not layout.current(bucket):
             layout.set_grads(bucket.grads())
-        if not layout.grid[0]:
+        blocks = layout.norm
+        if not blocks.grid[0]:
             zero = torch.zeros((), dtype=torch.float64, device=bucket.master.device)
             return zero, zero
         inf = norm_type == math.inf
-        load_kernels().grad_power_kernel[layout.grid](
-            layout.table, *layout.block_args, bucket.half, layout.partials, INF=inf,
-            BLOCK=layout.block, num_warps=_WARPS)
+        load_kernels().grad_power_kernel[blocks.grid](
+            layout.table, layout.n, *blocks.args, bucket.half, layout.partials, INF=inf,
+            BLOCK=blocks.block, num_warps=_WARPS)
         parts = layout.partials.double()
-        c, u = parts[:layout.counted_blocks], parts[layout.counted_blocks:]
+        c, u = parts[:blocks.counted], parts[blocks.counted:]
         if inf:
             return (c.max() if c.numel() else parts.new_zeros(()),
                     u.max() if u.numel() else parts.new_zeros(()))
@@ -177,12 +182,14 @@ class FusedStepper:
         wd = _f(group["weight_decay"])
         decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
         flat = self._flat[key]
-        kernels.adam_kernel[layout.grid](
-            layout.table, *layout.block_args, *layout.flat_args, bucket.master, flat["exp_avg"], flat["exp_avg_sq"], bucket.half,
+        blocks = layout.step
+        kernels.adam_kernel[blocks.grid](
+            layout.table, layout.n, *blocks.args, *layout.flat_args, bucket.master,
+            flat["exp_avg"], flat["exp_avg_sq"], bucket.half,
             grad_factor, 1.0 - lr * wd, wd, 1.0 - beta1, beta2, 1.0 - beta2,
             _f(group["eps"]), lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t),
             DECOUPLED=decoupled, MAXIMIZE=bool(group.get("maximize", False)),
-            BLOCK=layout.block, num_warps=_WARPS)
+            BLOCK=blocks.block, num_warps=_WARPS)
         # The per-parameter step counts torch keeps, after the launch: the GPU is idle from
         # the norm's host sync until the kernel starts, so nothing else goes before it.
         torch._foreach_add_(self._step_tensors[key], 1)
@@ -195,12 +202,13 @@ class FusedStepper:
         if first:
             flat = self._flat[id(bucket)] = {"momentum_buffer": torch.empty_like(bucket.master)}
             self._attach_views(bucket, flat, {})
-        kernels.sgd_kernel[layout.grid](
-            layout.table, *layout.block_args, *layout.flat_args, bucket.master, flat.get("momentum_buffer", bucket.master),
-            bucket.half, grad_factor, _f(group["lr"]), momentum,
+        blocks = layout.step
+        kernels.sgd_kernel[blocks.grid](
+            layout.table, layout.n, *blocks.args, *layout.flat_args, bucket.master,
+            flat.get("momentum_buffer", bucket.master), bucket.half, grad_factor, _f(group["lr"]), momentum,
             1.0 - _f(group["dampening"]), _f(group["weight_decay"]),
             HAS_MOMENTUM=momentum != 0, FIRST=first, NESTEROV=bool(group["nesterov"]),
-            MAXIMIZE=bool(group.get("maximize", False)), BLOCK=layout.block,
+            MAXIMIZE=bool(group.get("maximize", False)), BLOCK=blocks.block,
             num_warps=_WARPS)
 
     # ---- state held flat ---------------------------------------------------------------
@@ -212,8 +220,9 @@ class FusedStepper:
             # SGD keeps no state until momentum is used; Adam allocates at its first step.
             return self.kind == "sgd" and flat is None and entry is None
         key = next(iter(flat))
-        return entry.get(key) is not None and entry[key].data_ptr() == _view(
-            flat[key], bucket, 0).data_ptr()
+        held = entry.get(key)
+        # flat[key] starts with bucket.masters[0]'s view (its offset is 0).
+        return held is not None and held.data_ptr() == flat[key].data_ptr()
 
     def _adopt(self, bucket: FlatBucket) -> bool:
         """(Re)build the bucket's flat state from what optimizer.state holds (zeros if none)."""
@@ -259,35 +268,52 @@ class FusedStepper:
                           device=master.device if on_device else "cpu")
 
 
+class Blocks:
+    """A bucket cut into programs of `block` elements, none crossing a parameter's end: per
+    program the parameter's index and the block's start inside it (int32 device tables).
+
+    Attributes:
+        block: elements a program.
+        grid: the launch grid (the number of programs).
+        counted: the programs of the parameters counted in the norm (they come first).
+        args: the two device tables, as the kernels take them.
+    """
+
+    def __init__(self, numels: list[int], n_counted: int, block: int, upload):
+        blocks = torch.tensor([(n + block - 1) // block for n in numels], dtype=torch.int64)
+        first = torch.cumsum(blocks, 0) - blocks  # each parameter's first block
+        block_param = torch.repeat_interleave(torch.arange(len(numels)), blocks)
+        block_start = (torch.arange(int(blocks.sum())) - first[block_param]) * block
+        self.block = block
+        self.grid = (int(blocks.sum()),)
+        self.counted = int(blocks[:n_counted].sum())
+        self.args = (upload(block_param.to(torch.int32)), upload(block_start.to(torch.int32)))
+
+
 class Layout:
-    """The fused kernels' tables for one bucket: per program (BLOCK elements of one
-    parameter) the parameter's index and the block's start inside it; per parameter its
-    offset in the flat buffers and its padded size; and the grad table (fused_kernels.py's
-    _grad_block): each current gradient's offset from the bucket's half buffer and its size.
+    """The fused kernels' tables for one bucket: the step's and the norm's programs
+    (`Blocks`, of `block` and `norm_block` elements); per parameter its offset in the flat
+    buffers and its padded size; and the grad table (fused_kernels.py's _grad_block): each
+    current gradient's offset from the bucket's half buffer and its size.
 
     The grad table is rewritten when a gradient moved (after zero_grad(set_to_none=True)
     autograd allocates new ones, often at the same addresses). Every upload goes through
     pinned memory without a host sync.
     """
 
-    def __init__(self, bucket: FlatBucket, block: int = _BLOCK):
-        self.base, self.block = bucket.half, block
+    def __init__(self, bucket: FlatBucket, block: int = _BLOCK, norm_block: int = _NORM_BLOCK):
+        self.base = bucket.half
         numels = [p.numel() for p in bucket.params]
         padded = [b - a for a, b in zip(bucket.offsets, bucket.offsets[1:] + [bucket.numel])]
-        blocks = torch.tensor([(n + block - 1) // block for n in numels], dtype=torch.int64)
-        first = torch.cumsum(blocks, 0) - blocks  # each parameter's first block
-        block_param = torch.repeat_interleave(torch.arange(len(numels)), blocks)
-        block_start = (torch.arange(int(blocks.sum())) - first[block_param]) * block
         self.n = len(numels)
-        self.grid = (int(blocks.sum()),)
-        self.counted_blocks = int(blocks[:bucket.n_counted].sum())
         self._pinned = self.base.device.type == "cuda"
-        self.block_args = (self.n, self._upload(block_param.to(torch.int32)),
-                           self._upload(block_start.to(torch.int32)))
+        self.step = Blocks(numels, bucket.n_counted, block, self._upload)
+        self.norm = Blocks(numels, bucket.n_counted, norm_block, self._upload)
         self.flat_args = (self._upload(torch.tensor(bucket.offsets, dtype=torch.int64)),
                           self._upload(torch.tensor(padded, dtype=torch.int64)))
         self.table = torch.zeros(2 * self.n, dtype=torch.int64, device=self.base.device)
-        self.partials = torch.empty(self.grid[0], dtype=torch.float32, device=self.base.device)
+        self.partials = torch.empty(self.norm.grid[0], dtype=torch.float32,
+                                    device=self.base.device)
         self._grads: list = []      # the gradients the table points at (kept alive)
         self._uploaded: list = []   # the table's values
 
@@ -307,9 +333,16 @@ class Layout:
             self._uploaded = values
 
     def current(self, bucket: FlatBucket) -> bool:
-        """Whether every parameter's gradient is still the one the table points at."""
+        """Whether every parameter's gradient is still the one the table points at.
+
+        Runs between the step's host sync and the kernel launch, where the GPU waits on the
+        host: the comparison is C loops (map), not a Python generator over the parameters.
+        """
         return len(self._grads) == len(bucket.params) and all(
-            p.grad is g for p, g in zip(bucket.params, self._grads))
+            map(operator.is_, map(_GRAD, bucket.params), self._grads))
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def _view(flat: torch.Tensor, bucket: FlatBucket, i: int) -> torch.Tensor:
