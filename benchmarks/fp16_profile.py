@@ -7,6 +7,9 @@ Parts (each prints a short table and adds to one JSON):
   adam       the fused Adam and norm kernels on a bucket of the preset model's parameter
              shapes, by BLOCK / num_warps, against the 28 B/param floor at the measured copy
              bandwidth; host time of one launch and of FusedStepper.step()
+  gelu       torch's GELU (erf and tanh) on the MLP's [b*s, 4h] half activation, forward and
+             backward, against the copy-bandwidth floor of the bytes each moves (the check
+             that retired this project's Triton erf GELU: benchmarks/NOTES.md, round 4)
   profile    torch.profiler over 2 smp steps of fp16_gpu.py's model (--smp-loss, --sdpa):
              CUDA time by kernel family, and the share of the step the GPU is busy
 
@@ -209,6 +212,31 @@ def _family(key: str) -> str:
             else "elementwise")
 
 
+def part_gelu(cfg) -> dict:
+    """GELU forward (read x, write y) and backward (read dy and x, write dx) on the MLP's
+    half activation by torch's kernels, against the floor at the measured copy bandwidth."""
+    rows, cols = cfg["batch"] * cfg["seq"], 4 * cfg["hidden"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.float16, generator=g) * 2
+    dy = torch.randn_like(x)
+    src = torch.empty(x.numel() // 2, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    bw = 2 * src.nbytes / _bench(lambda: dst.copy_(src)) / 1e9  # GB/ms = TB/s
+    del src, dst
+    floor_f, floor_b = 2 * x.nbytes / (bw * 1e9), 3 * x.nbytes / (bw * 1e9)
+    res = {"shape": [rows, cols], "copy_tb_s": bw, "floor_fwd_ms": floor_f,
+           "floor_bwd_ms": floor_b, "torch": {}}
+    print(f"  [{rows}, {cols}] fp16, copy {bw:.2f} TB/s: floor fwd {floor_f:.3f} ms, "
+          f"bwd {floor_b:.3f} ms")
+    for approx in ("none", "tanh"):
+        r = res["torch"][approx] = {
+            "fwd_ms": _bench(lambda: F.gelu(x, approximate=approx)),
+            "bwd_ms": _bench(lambda: torch.ops.aten.gelu_backward(dy, x, approximate=approx))}
+        print(f"  torch gelu({approx}): fwd {r['fwd_ms']:.3f} ms ({r['fwd_ms'] / floor_f:.2f}x), "
+              f"bwd {r['bwd_ms']:.3f} ms ({r['bwd_ms'] / floor_b:.2f}x)")
+    return res
+
+
 def part_profile(cfg, arm="smp", steps=2, out_dir=None) -> dict:
     """torch.profiler over `steps` steps of an fp16_gpu.py arm (after 3 warm-up steps): CUDA
     time by kernel family and kernel, the share of the step the GPU is busy, the idle gaps
@@ -290,8 +318,9 @@ def part_profile(cfg, arm="smp", steps=2, out_dir=None) -> dict:
         # kernels whose launch (correlated runtime call) lies in the CPU window
         launch_ids = {e.id for e in evs if e.device_type.name == "CPU" and
                       c0 <= e.time_range.start <= c1}
-        win = [k for k in gpu if getattr(k, "linked_correlation_id", None) in launch_ids
-               or c0 <= k.time_range.start <= c1 + 20000]
+        # (by launch only: the host runs far ahead of the GPU, so opt.clip's CPU range also
+        # spans the forward and backward kernels it waits for at the norm's host sync)
+        win = [k for k in gpu if getattr(k, "linked_correlation_id", None) in launch_ids]
         rows = []
         for i, k in enumerate(win):
             gap = k.time_range.start - win[i - 1].time_range.end if i else 0.0
@@ -344,6 +373,8 @@ def main(argv=None) -> int:
             out[part] = part_ce(cfg)
         elif part == "adam":
             out[part] = part_adam(cfg)
+        elif part == "gelu":
+            out[part] = part_gelu(cfg)
         elif part == "attention_model":
             out[part] = part_attention(cfg, layout="model")
         elif part.startswith("profile"):  # profile, profile:smp_nn, profile:autocast

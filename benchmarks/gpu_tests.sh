@@ -42,8 +42,8 @@ if want tests; then
     -q -k "not cuda" -p no:cacheprovider > /tmp/tests_rest.log 2>&1 &
   rest=$!
   timeout 150 python3 -m pytest tests/test_fp16_optimizer.py tests/test_fused_loss.py \
-    tests/test_fused_gelu.py -q \
-    -k "cuda or fused" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG" || status=1
+    tests/test_widen.py -q \
+    -k "cuda or fused or widen or fp16_module" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG" || status=1
   wait $rest || status=1
   tail -1 /tmp/tests_rest.log | tee -a "$LOG"
 fi

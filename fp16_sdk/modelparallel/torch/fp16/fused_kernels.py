@@ -1,6 +1,5 @@
 """Triton kernels: the fused fp16 optimizer step, the fused half-input cross entropy, and the
-exact (erf) GELU on half tensors forward and backward, and the half -> fp32 widening of large
-outputs (fused_gelu.py).
+half -> fp32 widening of large outputs (widen.py).
 
 In the optimizer kernels one program handles BLOCK consecutive elements of one parameter of
 a flat bucket (its gradient read where autograd put it, through a table of addresses). Per
@@ -19,10 +18,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 __all__ = ["adam_kernel", "sgd_kernel", "grad_power_kernel", "ce_forward_kernel",
-           "ce_backward_kernel", "gelu_forward_kernel", "gelu_backward_kernel", "widen_kernel"]
+           "ce_backward_kernel", "widen_kernel"]
 
 
 @triton.jit
@@ -184,31 +182,6 @@ def ce_backward_kernel(logits_ptr, stride, grad_ptr, grad_stride, target_ptr, ls
         p = tl.exp(x - lse)
         p = tl.where(offs == target, p - 1.0, p)
         tl.store(out + offs, (p * coef).to(grad_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def gelu_forward_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    """y = x * 0.5 * (1 + erf(x / sqrt(2))) in fp32, rounded once to y's dtype: torch's CUDA
-    formula for F.gelu(approximate="none"). libdevice's erf may differ from the CUDA math
-    library's (torch's) by an fp32 ulp; tests/test_fused_gelu.py bounds both against float64."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = x * 0.5 * (1.0 + libdevice.erf(x * 0.7071067811865476))
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def gelu_backward_kernel(dy_ptr, x_ptr, dx_ptr, n, BLOCK: tl.constexpr):
-    """dx = dy * (cdf(x) + x * pdf(x)) in fp32 (torch's GeluBackward formula, libdevice erf
-    and exp), rounded once to dx's dtype."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    cdf = 0.5 * (1.0 + libdevice.erf(x * 0.7071067811865476))
-    pdf = libdevice.exp(-0.5 * x * x) * 0.3989422804014327  # 2/sqrt(pi) * 1/sqrt(2) * 0.5
-    tl.store(dx_ptr + offs, (dy * (cdf + x * pdf)).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ pipeline calls `cast_inputs` on the first stage and `cast_outputs` on the last i
 Norm layers are not kept in fp32: LayerNorm in half computes its statistics in fp32 inside the
 kernel (CUDA and CPU), so an fp32 copy buys no accuracy here and would cost a cast per layer.
 The wrapper adds no state_dict prefix: its keys are the wrapped module's. Large half outputs on
-CUDA are widened by one Triton pass (fused_gelu.widen: the same values as `.float()`).
+CUDA are widened by one Triton pass (widen.widen: the same values as `.float()`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fused_gelu import widen
+from .widen import widen
 
 __all__ = ["FP16Module", "BF16Module", "HalfPrecisionModule", "cast_inputs", "cast_outputs"]
 

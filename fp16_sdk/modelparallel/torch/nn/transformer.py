@@ -12,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import SMPConfigError
-from ..fp16.fused_gelu import gelu
 from ..fp16.fused_loss import cross_entropy
 from .attention import MASK_VALUE, DistributedAttentionLayer, check_layernorm_flags
 from .layers import (ColumnParallelLinear, DistributedEmbedding, DistributedModule,
@@ -29,8 +28,8 @@ __all__ = [
     "DistributedTransformerLMHead",
 ]
 
-# gelu: F.gelu's formula; on CUDA half tensors through the fused kernels (fp16/fused_gelu.py)
-_ACTIVATIONS = {"gelu": gelu, "relu": F.relu}
+# gelu: torch's exact (erf) kernel, which on an H200 beat a Triton one (benchmarks/NOTES.md)
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
 
 class DistributedTransformerOutputLayer(DistributedModule):
