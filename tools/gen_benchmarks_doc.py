@@ -112,7 +112,8 @@ def profile_section() -> list[str]:
              f"(batch {c['batch']}, seq {c['seq']}, {c['heads']} heads of "
              f"{c['hidden'] // c['heads']}, vocab {c['vocab']}). Command: "
              f"`python3 benchmarks/fp16_profile.py --preset {d['preset']} --parts "
-             f"{','.join(k for k in ('attention', 'ce', 'adam', 'profile') if k in d)}`.", ""]
+             f"{','.join(k for k in ('attention', 'ce', 'adam', 'gelu', 'profile') if k in d)}` "
+             "(each part may come from its own call).", ""]
     if "attention" in d:
         lines += ["Causal attention, fp16, forward + backward of one layer by SDPA backend:", "",
                   "| backend | fwd ms | fwd+bwd ms | per step (all layers) ms | rel. diff to flash |",
@@ -154,6 +155,18 @@ def profile_section() -> list[str]:
                   f"launcher {r['host_launch_us']:.0f} us, a whole FusedStepper.step() "
                   f"{r['host_step_us']:.0f} us (with, after the launch, the per-parameter "
                   "step-count update on CPU tensors: this inner AdamW is not fused=True).", ""]
+    if "gelu" in d:
+        r = d["gelu"]
+        rows, cols = r["shape"]
+        lines += [f"GELU on the MLP's [{rows}, {cols}] fp16 activation by torch's kernels; copy "
+                  f"{r['copy_tb_s']:.2f} TB/s, floor {r['floor_fwd_ms']:.3f} ms forward (read x, "
+                  f"write y), {r['floor_bwd_ms']:.3f} ms backward (read dy and x, write dx). "
+                  "smp.nn's MLP uses the erf form.", "",
+                  "| approximate | fwd ms | x floor | bwd ms | x floor |", "|---|---|---|---|---|"]
+        for name, t in r["torch"].items():
+            lines.append(f"| {name} | {t['fwd_ms']:.3f} | {t['fwd_ms'] / r['floor_fwd_ms']:.2f} | "
+                         f"{t['bwd_ms']:.3f} | {t['bwd_ms'] / r['floor_bwd_ms']:.2f} |")
+        lines.append("")
     return lines
 
 
