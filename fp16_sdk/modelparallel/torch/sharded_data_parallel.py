@@ -33,8 +33,9 @@ parameters count on rdp rank 0 only.
 Keys: `sdp_max_live_parameters` is checked (a unit gathering more elements than it is an error
 naming the unit); there is one reduce-scatter and one all-gather per unit over the sharding
 group, so setting `sdp_reduce_bucket_size`, or `sdp_hierarchical_allgather` to true, is
-refused by the config (config.py) instead of being accepted and ignored. `sdp_gradient_clipping` (> 0) clips in `optimizer.step()` when the script
-did not call `clip_master_grads` in that step (AWS's sdp scripts rely on it).
+refused with sharded_data_parallel_degree > 1 (fp16_sdk/config.py) rather than accepted and
+ignored. `sdp_gradient_clipping` (> 0) clips in `optimizer.step()` when the script did not
+call `clip_master_grads` in that step (AWS's sdp scripts rely on it).
 """
 
 from __future__ import annotations

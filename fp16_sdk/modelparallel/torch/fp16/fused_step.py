@@ -36,11 +36,12 @@ __all__ = ["FusedStepper", "Layout", "fused_kind", "triton_available", "FUSED_EN
 
 FUSED_ENV = "SMP_FUSED_OPTIMIZER"
 _BLOCK, _WARPS = 1024, 4  # 8 elements a thread: 16-byte fp32 and 8-byte fp16 accesses
-# The norm reads 2 B an element: programs of 1024 leave it ~35% over its floor on an H200 at
-# 1.3B parameters (1.035 ms), of 2048 at ~5% (0.782 ms; benchmarks/fp16_profile.py --parts adam).
+# The norm reads 2 B an element: on an H200 at 1.3B parameters programs of 1024 take 1.02 ms,
+# of 2048 0.75 ms (docs/benchmarks.md; benchmarks/fp16_profile.py --parts adam).
 _NORM_BLOCK = 2048
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 _SGD_KEYS = ("momentum_buffer",)
+_GRAD = operator.attrgetter("grad")
 
 
 def triton_available() -> bool:
@@ -205,8 +206,8 @@ class FusedStepper:
         blocks = layout.step
         kernels.sgd_kernel[blocks.grid](
             layout.table, layout.n, *blocks.args, *layout.flat_args, bucket.master,
-            flat.get("momentum_buffer", bucket.master), bucket.half, grad_factor, _f(group["lr"]), momentum,
-            1.0 - _f(group["dampening"]), _f(group["weight_decay"]),
+            flat.get("momentum_buffer", bucket.master), bucket.half, grad_factor,
+            _f(group["lr"]), momentum, 1.0 - _f(group["dampening"]), _f(group["weight_decay"]),
             HAS_MOMENTUM=momentum != 0, FIRST=first, NESTEROV=bool(group["nesterov"]),
             MAXIMIZE=bool(group.get("maximize", False)), BLOCK=blocks.block,
             num_warps=_WARPS)
@@ -340,9 +341,6 @@ class Layout:
         """
         return len(self._grads) == len(bucket.params) and all(
             map(operator.is_, map(_GRAD, bucket.params), self._grads))
-
-
-_GRAD = operator.attrgetter("grad")
 
 
 def _view(flat: torch.Tensor, bucket: FlatBucket, i: int) -> torch.Tensor:

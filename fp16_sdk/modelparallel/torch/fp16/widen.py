@@ -35,7 +35,8 @@ class _Widen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        load_kernels().widen_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK, num_warps=_WARPS)
+        load_kernels().widen_kernel[_grid(x.numel())](x, y, x.numel(), BLOCK=_BLOCK,
+                                                      num_warps=_WARPS)
         ctx.dtype = x.dtype
         return y
 
