@@ -8,7 +8,10 @@ The arms, one process, same model init, same data, same steps (spec performance.
   smp_exact  smp with SMP_FUSED_OPTIMIZER=0: the exact path (fp32 master grads, torch's fused
              AdamW on the masters, copy back), for the before/after of the fused step
   smp_nn     smp as above on the same GPT built from smp.nn modules at tp=1
-             (DistributedTransformerLMHead; its own init, loss over S-1 positions)
+             (DistributedTransformerLMHead, loaded with the smp arm's weights; erf GELU,
+             loss over S-1 positions). Same weights, because this GPU runs at its power cap
+             and a GEMM's power depends on its operands: with its own init the model ran
+             ~1.2% slower at a ~1% lower clock (benchmarks/NOTES.md, round 5)
   hf         smp as above on transformers' GPT2LMHeadModel of the same shape (sdpa attention),
              loss F.cross_entropy(logits.float()) in the step
   hf_tp      hf with its GPT2Blocks split by the tensor-parallel path (nn/huggingface) at tp=1:
@@ -263,8 +266,8 @@ def _init_smp():
     return smp
 
 
-def _snn_gpt(cfg):
-    """The plain GPT's architecture from smp.nn modules (tp=1), and its parameter counts."""
+def _snn_gpt(cfg, plain: GPT):
+    """The plain GPT as smp.nn modules (tp=1) holding `plain`'s weights; its parameter counts."""
     from fp16_sdk.modelparallel.torch import nn as snn
     h, heads, seq = cfg["hidden"], cfg["heads"], cfg["seq"]
     model = snn.DistributedTransformerLMHead(
@@ -273,9 +276,29 @@ def _snn_gpt(cfg):
         causal_mask_size=seq, pre_layernorm=True, post_layernorm=True,
         attention_dropout_prob=0.0, hidden_dropout_prob=0.0, use_normal_initialization=True,
         tp_context=snn.TPContext())
+    with torch.no_grad():
+        model.load_state_dict(snn_state_dict(plain), strict=True)
     total = sum(p.numel() for p in model.parameters())
     emb = model.word_embedding.weight.numel() + model.position_embedding.weight.numel()
     return model, (total, total - emb)
+
+
+def snn_state_dict(plain: GPT) -> dict[str, torch.Tensor]:
+    """`plain`'s weights under DistributedTransformerLMHead's names (tp=1); qkv split in three."""
+    h = plain.wte.weight.shape[1]
+    sd = {"word_embedding.weight": plain.wte.weight, "position_embedding.weight": plain.wpe.weight,
+          "transformer.output_layernorm.weight": plain.ln_f.weight,
+          "transformer.output_layernorm.bias": plain.ln_f.bias}
+    for i, blk in enumerate(plain.blocks):
+        layer = f"transformer.seq_layers.{i}."
+        for j, name in enumerate(("query", "key", "value")):  # qkv's rows: q | k | v
+            sd[layer + f"attention.{name}.weight"] = blk.qkv.weight[j * h:(j + 1) * h]
+            sd[layer + f"attention.{name}.bias"] = blk.qkv.bias[j * h:(j + 1) * h]
+        for src, dst in ((blk.ln1, "attention.pre_layernorm"), (blk.proj, "attention.dense"),
+                         (blk.ln2, "output.pre_layernorm"), (blk.fc, "output.dense1"),
+                         (blk.out, "output.dense2")):
+            sd[layer + dst + ".weight"], sd[layer + dst + ".bias"] = src.weight, src.bias
+    return {k: v.detach() for k, v in sd.items()}
 
 
 def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn: bool = False):
@@ -284,7 +307,9 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
     torch.manual_seed(0)
     # Same init as the other arms: fp32 weights drawn from seed 0, then cast by FP16Module.
     with DEVICE:
-        module, sizes = _snn_gpt(cfg) if snn else (GPT(**cfg), None)
+        module, sizes = GPT(**cfg), None
+        if snn:
+            module, sizes = _snn_gpt(cfg, plain=module)
     sizes = sizes or count_params(module)
     # smp's loss, as smp.nn's LM head computes it: fp32 cross entropy of the half logits
     # (fused: widened per element as read, no fp32 copy; --smp-loss fp32: F.cross_entropy on
