@@ -276,8 +276,7 @@ def _snn_gpt(cfg, plain: GPT):
         causal_mask_size=seq, pre_layernorm=True, post_layernorm=True,
         attention_dropout_prob=0.0, hidden_dropout_prob=0.0, use_normal_initialization=True,
         tp_context=snn.TPContext())
-    with torch.no_grad():
-        model.load_state_dict(snn_state_dict(plain), strict=True)
+    model.load_state_dict(snn_state_dict(plain), strict=True)  # copies: no storage shared
     total = sum(p.numel() for p in model.parameters())
     emb = model.word_embedding.weight.numel() + model.position_embedding.weight.numel()
     return model, (total, total - emb)

@@ -6,21 +6,19 @@ cap, depends on its operands). The reference is the benchmark's plain PyTorch GP
 intended difference is the GELU (smp.nn: erf, the plain model: tanh).
 """
 
-import importlib.util
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from helpers.files import load_module
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = dict(layers=2, hidden=64, heads=4, seq=32, vocab=512, batch=3)
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("fp16_gpu", ROOT / "benchmarks" / "fp16_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(ROOT / "benchmarks" / "fp16_gpu.py")
 
 
 def _plain(bench):
@@ -44,7 +42,7 @@ def test_smp_nn_arm_holds_the_plain_gpts_weights_and_computes_its_logits_and_los
     with torch.no_grad():
         ref = plain(ids)                                   # (b, s, vocab)
         logits = snn((ids, None, None, None, None))  # without labels: the logits
-        loss, _ = snn((ids, None, None, None, ids))       # labels = inputs, shifted inside
+        loss, _ = snn((ids, None, None, None, ids))  # labels = inputs, shifted inside
         ref_loss = F.cross_entropy(ref[:, :-1].reshape(-1, CFG["vocab"]), ids[:, 1:].reshape(-1))
 
     assert logits.shape == ref.shape

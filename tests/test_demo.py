@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.files import load_module
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -45,12 +47,7 @@ def test_demo_prints_existing_artifacts_and_loss_falls(tmp_path):
 
 
 def test_progress_line_while_a_step_runs_long(capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "train_gpt", REPO / "examples" / "gpt_fp16" / "train_gpt.py")
-    train_gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_gpt)
+    train_gpt = load_module(REPO / "examples" / "gpt_fp16" / "train_gpt.py")
     import time
 
     progress = train_gpt.StepProgress(0.3)

@@ -1,16 +1,14 @@
 """Generated documentation stays true to its sources (the benchmark JSON)."""
 
-import importlib.util
 from pathlib import Path
+
+from helpers.files import load_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(ROOT / "tools" / f"{name}.py")
 
 
 def test_benchmarks_page_matches_the_json_results():

@@ -5,7 +5,6 @@ the loss falls on every rank, every rank saw the layout the config asks for, and
 model.tar.gz holds the full (gathered) model. A pp=2 x rdp=2 job whose stage raises ends whole,
 soon, with that stage's error."""
 
-import importlib.util
 import json
 import tarfile
 import time
@@ -16,6 +15,7 @@ import torch
 
 from fp16_sdk.modelparallel.torch import nn as snn
 from fp16_sdk.pytorch import PyTorch
+from helpers.files import load_module
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -47,9 +47,7 @@ def test_lm_head_pp2_tp2_fp16_trains_through_fit(tmp_path):
         assert max(r["scales"]) > 2 ** 12, r["scales"]  # and grows (scale_window 8)
     # each stage holds only its part: stage parameter counts sum to (about) the model's
     full = torch.load(tmp_path / "model" / "model.pt")
-    spec = importlib.util.spec_from_file_location("pp_script", SCRIPTS / "pp_tp_fp16_train.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_module(SCRIPTS / "pp_tp_fp16_train.py", "pp_script")
     plain = snn.DistributedTransformerLMHead(**script.SIZES, tp_context=snn.TPContext())
     plain.load_state_dict(full)  # strict: every key of the unsplit model, full shapes
     total = sum(p.numel() for p in plain.parameters())

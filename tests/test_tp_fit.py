@@ -4,7 +4,6 @@ The reference is the plain (tp=1) smp.nn model: the job's gathered state_dict, l
 must give the logits the trained tp=2 model gave on the same probe batch.
 """
 
-import importlib.util
 import json
 import tarfile
 from pathlib import Path
@@ -13,15 +12,13 @@ import pytest
 import torch
 
 from fp16_sdk.pytorch import PyTorch
+from helpers.files import load_module
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _sizes():
-    spec = importlib.util.spec_from_file_location("tp_script", SCRIPTS / "tp_lmhead_train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.SIZES
+    return load_module(SCRIPTS / "tp_lmhead_train.py", "tp_script").SIZES
 
 
 @pytest.mark.slow

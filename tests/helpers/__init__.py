@@ -17,6 +17,7 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
 - `lm_head`: smp.nn's DistributedTransformerLMHead at CPU size (`LM`), its batches, this
   rank's rows and the single-process reference step, for the pp x tp tests.
 - `pipeline_data`: a tiny Hugging Face GPT-2 (`tiny_gpt2`) and the pp=2 tests' batches.
+- `files`: `load_module(path)`, a script or tool file loaded as a module.
 - `ac_nets`: the activation-checkpointing tests' `Net` of `Block`s (`Block.calls` counts).
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
 

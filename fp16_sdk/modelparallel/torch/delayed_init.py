@@ -403,9 +403,10 @@ def _unrecorded_hf_inits(root: nn.Module) -> list[str]:
     """Give transformers models whose creation recorded no init one of their own.
 
     A PreTrainedModel with meta parameters and no recorded `_init_weights` either had its
-    init switched off by the script (AWS's smp v1 examples set `PreTrainedModel.init_weights`
-    to a no-op before building the model, because smp v1 re-initialises it as its own
-    distributed transformer) or was built with transformers first imported inside the
+    init switched off by the script (AWS's smp v1 examples replace
+    `PreTrainedModel.init_weights` with an empty function before building the model, because
+    smp v1 re-initialises it as its own distributed transformer; this is that case, handled
+    here) or was built with transformers first imported inside the
     creation context. Its weights would otherwise stay unwritten, so each of its modules is
     initialised at materialisation by the model's own `_init_weights` (transformers' init:
     what smp v1's distributed transformer also draws, normal(0, initializer_range)), each
