@@ -101,6 +101,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     token = uuid.uuid4().hex
     os.environ[SESSION_VAR] = token
+    # A worker that dies of a signal (SIGABRT, SIGSEGV) prints every Python thread's stack, so a
+    # crash inside torch shows where the script was (workers inherit the environment).
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     session.stash[_MARKER] = f"{SESSION_VAR}={token}".encode()
     session.stash[_BASELINE] = {p.key for p in scan()}
     basetemp = session.config._tmp_path_factory.getbasetemp()  # pytest's tmp_path root

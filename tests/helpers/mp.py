@@ -63,11 +63,14 @@ def _child(rank, world_size, port, env, fn, args, outdir, init_gloo):
 
 def _shutdown():
     import torch.distributed as dist
+
+    from fp16_sdk.modelparallel.torch.gloo_exit import drain
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+    drain()  # no Gloo worker may still want the GIL when this child exits (gloo_exit.py)
 
 
 def run_ranks(fn, world_size: int, *args, env: dict | None = None, timeout: float = 120,

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fp16_sdk.config import SMPParameters, parse_mp_parameters
 from fp16_sdk.errors import ConfigError
 
-from . import comm
+from . import comm, gloo_exit
 from .errors import SMPConfigError
 from .state import state
 from .topology import Topology
@@ -119,6 +119,7 @@ def init(config: dict | None = None) -> None:
     cfg = _parse(merge_config(os.environ.get("SM_HP_MP_PARAMETERS"), config))
     backend = _backend(cfg)
     _start_process_group(backend)
+    gloo_exit.drain_at_exit()  # Gloo workers done with Python before shutdown (gloo_exit.py)
     world = dist.get_world_size()
     try:
         cfg.check_world_size(world)
