@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,9 +74,14 @@ def test_worker_states_read_the_state_after_the_last_parenthesis(tmp_path):
 
 
 def test_drain_finds_this_process_workers_quiet(tmp_path):
-    """A one-rank Gloo group here: its two worker threads are found, and idle, so drain ends."""
+    """A one-rank Gloo group here: its two worker threads are found, and idle, so drain ends.
+
+    A worker names itself once it runs, so the test waits (up to 10 s) until both names show."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        deadline = time.monotonic() + 10.0
+        while len(gloo_exit.gloo_worker_states()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(gloo_exit.gloo_worker_states()) >= 2
         assert gloo_exit.drain(limit_s=5.0)
     finally:

@@ -1,5 +1,6 @@
 """Imports go one way: the SDK never imports torch, the runtime never imports boto3 or docker,
-a local_process job never imports docker, and the contract module is standard library only.
+a local_process job never imports docker, and the contract module and the /proc reader are
+standard library only.
 
 Each case runs in a fresh interpreter (this test process has imported everything already) and
 reads `sys.modules` after the imports.
@@ -82,9 +83,11 @@ def test_runtime_never_imports_boto3_or_docker(module):
     assert not {"boto3", "botocore", "docker", "moto"} & set(loaded), loaded
 
 
-def test_contract_is_standard_library_only():
+@pytest.mark.parametrize("module", ["fp16_sdk.contract", "fp16_sdk.procfs"])
+def test_shared_modules_are_standard_library_only(module):
+    """The contract and the /proc reader are imported by both the toolkit and the runtime."""
     before = set(_loaded_after("import fp16_sdk"))
-    after = set(_loaded_after("import fp16_sdk.contract"))
+    after = set(_loaded_after(f"import {module}"))
     extra = sorted(after - before - set(sys.stdlib_module_names))
     assert extra == [], extra
 

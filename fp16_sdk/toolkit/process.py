@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from fp16_sdk.procfs import read_stat
+
 __all__ = ["ProcessResult", "run_process", "descendants", "become_subreaper", "watch_lifeline",
            "DEFAULT_GRACE_S", "TAIL_LINES"]
 
@@ -64,13 +66,9 @@ def descendants(pid: int) -> list[int]:
     for entry in entries:
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces or parens, so split after the last ')'
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children[ppid].append(int(entry))
+        stat = read_stat(f"/proc/{entry}/stat")
+        if stat is not None:
+            children[stat.ppid].append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -178,15 +176,14 @@ class _Tree:
 
 
 def _pid_alive(pid: int) -> bool:
+    stat = read_stat(f"/proc/{pid}/stat")
+    if stat is not None:
+        return stat.state not in ("Z", "X")
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
+        os.kill(pid, 0)
+        return True
     except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
+        return False
 
 
 def _pump_stderr(pipe, tail: collections.deque) -> None:

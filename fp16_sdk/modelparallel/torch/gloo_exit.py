@@ -26,6 +26,8 @@ import logging
 import os
 import time
 
+from fp16_sdk.procfs import read_stat
+
 __all__ = ["drain", "drain_at_exit", "gloo_worker_states"]
 
 logger = logging.getLogger(__name__)
@@ -44,18 +46,8 @@ def gloo_worker_states(task_dir: str = "/proc/self/task") -> list[str]:
         tids = os.listdir(task_dir)
     except OSError:
         return []
-    states = []
-    for tid in tids:
-        try:
-            with open(f"{task_dir}/{tid}/stat", encoding="ascii", errors="replace") as f:
-                stat = f.read()
-        except OSError:
-            continue  # the thread ended between listdir and open
-        # "tid (comm) S ...": comm may hold spaces or parentheses, the state follows the last ")"
-        name = stat[stat.find("(") + 1:stat.rfind(")")]
-        if name == WORKER_THREAD:
-            states.append(stat[stat.rfind(")") + 2:][:1])
-    return states
+    stats = (read_stat(f"{task_dir}/{tid}/stat") for tid in tids)  # None: the thread ended
+    return [s.state for s in stats if s is not None and s.comm == WORKER_THREAD]
 
 
 def drain(*, poll_s: float = POLL_S, quiet_polls: int = QUIET_POLLS,
