@@ -287,3 +287,76 @@ def test_smp_step_pp2_matches_single_process(schedule):
                                    rtol=1e-5, atol=1e-6)
         for name, value in ref_params.items():  # state_dict() gathers both stages
             torch.testing.assert_close(state_dict[name], value, rtol=1e-5, atol=1e-5)
+
+
+ACC = 2  # steps accumulated per optimizer step, as Trainer's gradient_accumulation_steps
+
+
+class _LossLM(torch.nn.Module):
+    """TinyLM that returns its loss, as a Hugging Face model given labels does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = TinyLM()
+
+    def forward(self, ids, target):
+        logits = self.lm(ids)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), target.flatten()), "logits": logits}
+
+
+def _accumulation_reference(steps, lr):
+    torch.manual_seed(100)
+    model = _LossLM()
+    losses, batches = [], _batches(ACC * steps)
+    for s in range(steps):
+        model.zero_grad()
+        for ids, target in batches[ACC * s:ACC * (s + 1)]:
+            mb_losses = []
+            for ids_mb, t_mb in zip(ids.chunk(MB), target.chunk(MB)):
+                loss = model(ids_mb, t_mb)["loss"] / ACC
+                loss.backward()
+                mb_losses.append(loss.item())
+            losses.append(mb_losses)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _accumulation_case(rank, world, steps, lr):
+    import smdistributed.modelparallel.torch as smp
+    smp.init({"pipeline_parallel_degree": world, "microbatches": MB})
+    torch.manual_seed(100 + rank)
+    # As transformers' Trainer wraps it for gradient_accumulation_steps = ACC.
+    model = smp.DistributedModel(_LossLM(), backward_passes_per_step=ACC)
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+
+    @smp.step
+    def train(model, ids, target):  # the shape of transformers' smp_forward_backward
+        loss = model(ids, target)["loss"]
+        loss /= ACC  # in place, on the model's own output tensor
+        model.backward(loss)
+        return loss
+
+    losses, batches = [], _batches(ACC * steps)
+    for s in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for ids, target in batches[ACC * s:ACC * (s + 1)]:
+            losses.append([float(x) for x in train(model, ids, target).outputs])
+        optimizer.step()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_step_body_changing_the_model_output_in_place_with_accumulation():
+    """Every stage returns the loss its body made (model output / ACC), and the accumulated
+    steps train as a single process does. The earlier stages used to get the last stage's
+    output tensor after its body had divided it in place (an isend reads the tensor late)."""
+    from helpers.mp import run_ranks
+    steps, lr = 2, 0.5
+    ref_losses, ref_params = _accumulation_reference(steps, lr / MB)
+    results = run_ranks(_accumulation_case, 2, steps, lr)
+    for rank, (losses, state_dict) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        for name, value in ref_params.items():
+            torch.testing.assert_close(state_dict[name], value, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,8 @@ action's handler on what arrived, and posts the sends from what the handler retu
 | message | payload                                                                  |
 |---------|---------------------------------------------------------------------------|
 | act     | (unit outputs so far, stage_forward.py; pipeline rank 0's model(...) request) |
-| out     | the model's output (any picklable value)                                   |
+| out     | a copy of the model's output (any picklable value), taken before the body |
+|         | sees it                                                                    |
 | grad    | gradients of the received floating tensors, in order; None at B0 when the |
 |         | step turned out forward-only (the decision travels upstream)              |
 
@@ -26,7 +27,7 @@ import torch
 from ..errors import StepError
 from .bodies import Bodies, Slot
 from .host import PipelineHost
-from .p2p import TensorChannel, flatten
+from .p2p import TensorChannel, flatten, snapshot
 from .schedule import Kind, Message, messages
 from .stage_forward import StageForward
 
@@ -96,8 +97,12 @@ class StageExecutor:
             if training:
                 slot.stage_output = out
             return {"act": (out, request)}
+        # The body gets the output and may change it in place (Trainer divides its loss by
+        # the accumulation steps); the earlier stages' isends read the tensors later, so they
+        # get a copy taken now, before the body sees the output.
+        sent = snapshot(out) if self.last > 0 else None
         self.bodies.deliver(slot, out)
-        return {"out": out}
+        return {"out": sent}
 
     def _take_declared(self, declared: bool) -> None:
         self.declared = declared

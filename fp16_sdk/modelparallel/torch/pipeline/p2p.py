@@ -7,8 +7,10 @@ pickled with every tensor replaced by a persistent id (its slot number, pickle's
 out-of-band objects), so whatever the model returns crosses stages as it is: tensors, None,
 Python scalars and strings, tuples, dicts, Hugging Face `ModelOutput`s (ordered-dict
 dataclasses), named tuples, dataclasses and user objects, nested in any way. A tensor that
-appears twice is sent once and arrives as one object. Sends are `isend`s whose work (and
-tensors) are held until `flush()`, so a send never blocks the executor; receives wait. Every
+appears twice is sent once and arrives as one object. Sends are `isend`s whose work is held
+until `flush()`, so a send never blocks the executor; receives wait. An isend reads its tensor
+when the transfer runs, later: a sent tensor is held until its send has completed and must not
+change before then (the executor sends a `snapshot` of what a step body can change in place). Every
 message between one ordered pair of ranks is posted in schedule order, which is what NCCL (no
 tags) and Gloo both match.
 """
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from ..errors import SMPError
 
-__all__ = ["PipelineCommError", "TensorChannel", "flatten", "unflatten"]
+__all__ = ["PipelineCommError", "TensorChannel", "flatten", "unflatten", "snapshot"]
 
 _HEADER = 256
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
@@ -87,6 +89,13 @@ def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
     return _TensorUnpickler(io.BytesIO(skeleton), tensors).load()
 
 
+def snapshot(obj: Any) -> Any:
+    """A copy of obj whose tensors are detached clones: what an `isend` may read later, when
+    the owner of obj has changed it in place."""
+    skeleton, tensors = flatten(obj)
+    return unflatten(skeleton, [t.detach().clone() for t in tensors])
+
+
 class TensorChannel:
     """Sends and receives structures to and from other global ranks of one process group.
 
@@ -100,7 +109,7 @@ class TensorChannel:
         self.group = group
         self.device = device
         self.failure = failure
-        self._pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive)
+        self._pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive or None)
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         tensor = tensor.contiguous()
@@ -116,8 +125,14 @@ class TensorChannel:
         self._wait(dist.irecv(tensor, src, group=self.group))
         return tensor
 
+    def _release_sent(self) -> None:
+        """Drop the tensors of completed sends (their work stays, for flush to wait on)."""
+        self._pending = [(w, t if t is not None and not w.is_completed() else None)
+                         for w, t in self._pending]
+
     def send(self, obj: Any, dst: int) -> None:
         """Post the sends of `obj` (tensors are sent detached, as they are) to global rank dst."""
+        self._release_sent()
         blob, tensors = flatten(obj)
         header = [len(blob), len(tensors)]
         for t in tensors:
