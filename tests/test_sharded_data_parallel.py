@@ -356,3 +356,57 @@ def test_sdp2_with_delayed_initialization_matches_eager_creation():
     for log in run_ranks(_delayed, 2, timeout=300):
         for (loss, norm), (rloss, rnorm) in zip(log, ref):
             assert loss == pytest.approx(rloss, rel=1e-5) and norm == pytest.approx(rnorm, rel=1e-5)
+
+
+def _zero_names(rank, world):
+    """The sdp job of an AWS sdp script that logs parameter norms from ZeRO-3's names: the
+    partition sizes are read before DistributedOptimizer, the fp32 views after it, the norms
+    after some steps (squares summed over `ds_param_shard_group`)."""
+    torch.cuda.is_available = lambda: False
+    smp.init({"ddp": True, "fp16": True, "sharded_data_parallel_degree": 2,
+              "sdp_param_persistence_threshold": 40})
+    torch.manual_seed(0)
+    with smp.model_creation(dtype=torch.float16):
+        model = smp.DistributedModel(LayerGPT())
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if p.dim() > 1], "weight_decay": 0.1},
+              {"params": [p for n, p in named if p.dim() <= 1], "weight_decay": 0.0}]
+    offsets = []
+    for group in groups:
+        at, here = 0, {}
+        for p in group["params"]:
+            here[id(p)] = (at, p.ds_tensor.ds_numel)
+            at += p.ds_tensor.ds_numel
+        offsets.append(here)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(groups, lr=LR, eps=EPS),
+                                   dynamic_loss_scale=True, init_scale=2.0**8)
+    fp32 = {key: opt.fp32_partitioned_groups_flat[i].narrow(0, at, size)
+            for i, group in enumerate(offsets) for key, (at, size) in group.items()}
+    for x, y in batches(2, batch=BATCH, seed=3):
+        opt.zero_grad()
+        _step(model, x[rank::2], y[rank::2], 1.0)
+        opt.step()
+
+    def norms(part_of):
+        out = {}
+        for name, p in model.named_parameters():
+            sq = torch.linalg.vector_norm(part_of(p).float()) ** 2
+            torch.distributed.all_reduce(sq, group=opt.ds_param_shard_group)
+            out[name.removeprefix("module.")] = sq.sqrt().item()
+        return out
+    sharded = sorted(n for n, p in model.named_parameters() if hasattr(p, "full_tensor"))
+    whole = {k: v.float().norm().item() for k, v in model.state_dict().items()}
+    return (norms(lambda p: fp32[id(p)]), norms(lambda p: p.ds_tensor.data), whole, sharded,
+            opt.steps - opt.skipped_steps)
+
+
+def test_sdp2_zero3_names_give_each_parameters_norm():
+    """param.ds_tensor, optimizer.fp32_partitioned_groups_flat and ds_param_shard_group (the
+    names AWS's sdp scripts read) give, summed over the sharding group, the norms of the whole
+    trained parameters: sharded ones (FSDP2 chunks) and persistent ones (counted on rdp rank 0)."""
+    for masters, partitions, whole, sharded, stepped in run_ranks(_zero_names, 2, timeout=300):
+        assert stepped >= 1  # the views were read after real updates
+        assert sharded and len(sharded) < len(whole)  # both kinds are present
+        for name, value in whole.items():
+            assert masters[name] == pytest.approx(value, rel=2e-3), name
+            assert partitions[name] == pytest.approx(value, rel=2e-3), name

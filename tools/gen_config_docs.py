@@ -53,6 +53,13 @@ RULES = """
   all-gather and one reduce-scatter per layer: no buckets, no per-node stage). With `sharded_data_parallel_degree` 1 the
   `sdp_*` keys have no effect, as in smp (AWS's GPT-2 example passes `sdp_gradient_clipping`
   and `sdp_hierarchical_allgather` always).
+  With sharding on, the ZeRO-3 names AWS's sdp scripts read for their parameter-norm
+  logging exist: `param.ds_tensor` (this rank's partition, a live flat view, `.ds_numel` its
+  size; a persistent parameter's is whole on rdp rank 0 and empty elsewhere),
+  `optimizer.fp32_partitioned_groups_flat[i].narrow(0, offset, ds_numel)` (that parameter's
+  fp32 master partition; the partitions are separate tensors, so other slices are refused)
+  and `optimizer.ds_param_shard_group`. `optimizer._global_grad_norm` is the last clip's norm,
+  None until the first step that did not overflow.
 - `static_mode`, `fast_mode` and `_match_weights` (keys AWS's example scripts pass; AWS's
   tables do not list them) name pipeline execution/initialisation choices that this runtime
   always makes (one schedule replayed every step, direct stage-to-stage transfers, TP shards

@@ -157,6 +157,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         of flat fp32 masters), or None when the inner optimizer steps the model's parameters."""
         return self._mode.masters
 
+    @property
+    def fp32_partitioned_groups_flat(self) -> list:
+        """With sharded data parallelism, per param group this rank's fp32 master partitions
+        end to end, under DeepSpeed ZeRO-3's name (AWS's sdp scripts narrow it per parameter
+        by `param.ds_tensor.ds_numel`; sharded_data_parallel.FlatGroupView)."""
+        from . import sharded_data_parallel
+        if self._mode.name != "sdp":
+            raise AttributeError("fp32_partitioned_groups_flat exists with "
+                                 "sharded_data_parallel_degree > 1 only")
+        return sharded_data_parallel.zero_flat_groups(self.optimizer.param_groups)
+
+    @property
+    def ds_param_shard_group(self):
+        """With sharded data parallelism, the process group the parameters are sharded over
+        (the reduced data-parallel group), under DeepSpeed ZeRO-3's name."""
+        if self._mode.name != "sdp":
+            raise AttributeError("ds_param_shard_group exists with "
+                                 "sharded_data_parallel_degree > 1 only")
+        return state.groups.rdp
+
     def state_bytes(self) -> int:
         """Bytes of fp32 masters, master gradients and inner optimizer state on this rank."""
         return self._mode.state_bytes()

@@ -49,7 +49,8 @@ from .errors import CheckpointError, SMPConfigError
 from .fp16.master_params import MasterParams, power_sum
 from .state import state
 
-__all__ = ["enabled", "shard_model", "SdpMasters", "is_sharded",
+__all__ = ["enabled", "shard_model", "SdpMasters", "is_sharded", "zero_partition",
+           "FlatGroupView", "zero_flat_groups",
            "full_state_dict_values", "shard_state_dict_values", "local_optimizer_state",
            "restore_optimizer_state", "startup_part", "parameter_bytes", "wrap_line"]
 
@@ -143,6 +144,7 @@ def shard_model(module: nn.Module) -> dict:
     for pname, p in module.named_parameters():
         for key, value in marks.get(pname, {}).items():
             setattr(p, key, value)
+        p.ds_tensor = zero_partition(p)
     if delayed is not None:
         delayed.finish(f"sharded over sdp={state.topology.rdp}")
     largest, name = max((n, type(u).__name__) for n, u in sizes) if sizes else (0, "")
@@ -155,6 +157,67 @@ def shard_model(module: nn.Module) -> dict:
     sharded = sum(p.numel() for p in module.parameters() if is_sharded(p))
     return {"units": len(sizes), "sharded": sharded,
             "persistent": sum(p.numel() for p in ignored), "largest_unit": largest}
+
+
+# ---- the names DeepSpeed ZeRO-3 gives the same things -----------------------------------------
+# AWS's sdp scripts (their sdp_utils.py: parameter norms for logging) read smp v1's ZeRO-3
+# internals: `param.ds_tensor` (this rank's partition, `.ds_numel` its element count),
+# `optimizer.fp32_partitioned_groups_flat[i]` (param group i's fp32 partitions end to end,
+# which they `narrow` per parameter) and `optimizer.ds_param_shard_group`. Summing a squared
+# norm of each rank's partitions over that group gives the whole parameter's.
+def zero_partition(p: torch.Tensor) -> torch.Tensor:
+    """This rank's partition of `p` as a flat view (live: it is the parameter's storage), with
+    `ds_numel` set: the local chunk of a sharded parameter; a persistent (whole) one on rdp
+    rank 0 only, empty elsewhere, so that sums over the sharding group count it once."""
+    if is_sharded(p):
+        part = p._local_tensor.detach().view(-1)
+    elif state.topology is None or state.topology.rdp_rank(state.rank) == 0:
+        part = p.detach().view(-1)
+    else:
+        part = p.detach().view(-1)[:0]
+    part.ds_numel = part.numel()
+    return part
+
+
+class FlatGroupView:
+    """One param group's fp32 partitions end to end, as ZeRO-3's
+    `fp32_partitioned_groups_flat[i]`: `narrow(0, offset, numel)` at a parameter's offset
+    (the sum of the partition sizes before it, in the group's order) returns that parameter's
+    live fp32 partition. The partitions are separate tensors (FSDP2's chunks, the persistent
+    parameters' masters), so no flat copy exists and other slices are refused.
+
+    Args:
+        parts: the group's fp32 partitions (flat views), in the group's order.
+    """
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self._at: dict[tuple[int, int], torch.Tensor] = {}  # (offset, numel) -> partition
+        offset = 0
+        for part in parts:
+            self._at.setdefault((offset, part.numel()), part)
+            offset += part.numel()
+        self._numel = offset
+
+    def numel(self) -> int:
+        return self._numel
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        part = self._at.get((start, length)) if dim == 0 else None
+        if part is None:
+            raise SMPConfigError(
+                f"fp32_partitioned_groups_flat[i].narrow({dim}, {start}, {length}) does not "
+                f"select one parameter's partition; this runtime holds the partitions "
+                f"separately (FSDP2 chunks), so only narrow(0, offset, ds_numel) at a "
+                f"parameter's offset in its param group is supported",
+                key="fp32_partitioned_groups_flat", value=(dim, start, length))
+        return part
+
+
+def zero_flat_groups(param_groups: list[dict]) -> list[FlatGroupView]:
+    """`FlatGroupView`s of a sharded DistributedOptimizer's param groups (its masters: the
+    FSDP2 chunks, fp32 masters of persistent half parameters, fp32 persistent parameters)."""
+    return [FlatGroupView([zero_partition(p) for p in group["params"]])
+            for group in param_groups]
 
 
 def parameter_bytes(module: nn.Module) -> tuple[int, int]:
@@ -270,6 +333,10 @@ class SdpMasters(MasterParams):
         self._shard_counts = counts
         # Persistent parameters are whole on every rdp rank: count them once in world sums.
         super().__init__(optimizer.param_groups, counts=lambda p: counts(p) and on_rdp0)
+        for bucket in self.buckets:  # the half ones now live in the flat buffers
+            if not isinstance(bucket, _ShardBucket):
+                for p in bucket.params:
+                    p.ds_tensor = zero_partition(p)
 
     def _build_group(self, params: list, counts) -> list:
         from .replicas import is_scaled_batch
