@@ -129,6 +129,31 @@ def test_backward_passes_per_step_2_reduces_every_second_step():
             assert torch.allclose(results[rank][1][n], g, rtol=1e-5, atol=1e-6)
 
 
+def _accumulate_synced_case(rank, world, microbatches, kwargs):
+    import smdistributed.modelparallel.torch as smp
+    smp.init()
+    model = _make_model(smp, rank, microbatches, **kwargs)  # backward_passes_per_step 1
+    train = _train_step(smp)
+    for s in range(2):  # both steps reduce; the second accumulates into the first's result
+        x, y = global_batch(s, world)
+        train(model, x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4])
+    return {n[len("module."):]: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("microbatches,kwargs", [
+    (2, {}), (2, {"gradient_as_bucket_view": True}), (1, {})])
+def test_accumulating_over_reducing_steps_sums_their_gradients(microbatches, kwargs):
+    """Two steps, each reduced (backward_passes_per_step 1), before one optimizer step: the
+    held gradients are the sum of the two global-mean gradients, as with 2 passes a step
+    (the first step's used to be divided by the microbatches once more)."""
+    world = 2
+    summed, _ = reference_grads([0, 1], world)
+    for rank, grads in enumerate(run_ranks(_accumulate_synced_case, world, microbatches,
+                                           kwargs)):
+        for n, g in summed.items():
+            assert torch.allclose(grads[n], g, rtol=1e-5, atol=1e-6), (rank, n)
+
+
 def _overlap_case(rank, world):
     import torch.distributed as dist
     import smdistributed.modelparallel.torch as smp

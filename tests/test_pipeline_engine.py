@@ -323,12 +323,13 @@ def _accumulation_reference(steps, lr):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _accumulation_case(rank, world, steps, lr):
+def _accumulation_case(rank, world, steps, lr, passes):
     import smdistributed.modelparallel.torch as smp
     smp.init({"pipeline_parallel_degree": world, "microbatches": MB})
     torch.manual_seed(100 + rank)
-    # As transformers' Trainer wraps it for gradient_accumulation_steps = ACC.
-    model = smp.DistributedModel(_LossLM(), backward_passes_per_step=ACC)
+    # passes = ACC: as transformers' Trainer wraps it for gradient_accumulation_steps = ACC;
+    # 1: every step reduces, the next accumulates into the reduced gradients.
+    model = smp.DistributedModel(_LossLM(), backward_passes_per_step=passes)
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 
     @smp.step
@@ -347,14 +348,18 @@ def _accumulation_case(rank, world, steps, lr):
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_step_body_changing_the_model_output_in_place_with_accumulation():
+@pytest.mark.parametrize("passes", [ACC, 1])
+def test_step_body_changing_the_model_output_in_place_with_accumulation(passes):
     """Every stage returns the loss its body made (model output / ACC), and the accumulated
-    steps train as a single process does. The earlier stages used to get the last stage's
-    output tensor after its body had divided it in place (an isend reads the tensor late)."""
+    steps train as a single process does, the tied embedding / head included. The earlier
+    stages used to get the last stage's output tensor after its body had divided it in place
+    (an isend reads the tensor late); with backward_passes_per_step 1 the second step used to
+    divide the first one's reduced gradients by the microbatches again and sum the tied
+    weight's over the stages again."""
     from helpers.mp import run_ranks
     steps, lr = 2, 0.5
     ref_losses, ref_params = _accumulation_reference(steps, lr / MB)
-    results = run_ranks(_accumulation_case, 2, steps, lr)
+    results = run_ranks(_accumulation_case, 2, steps, lr, passes)
     for rank, (losses, state_dict) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"rank {rank}: {m}")

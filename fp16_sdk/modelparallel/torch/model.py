@@ -143,6 +143,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._backward_steps = 0          # steps that ran a backward
         self._backwards_in_step = 0
         self._sync_this_step = False
+        self._reduced_grads: list | None = None  # (param, grad, version) the last sync left
+        self._grads_checked = False
         state.model = self
         if not self.pipelined:
             self.module.to(state.device)
@@ -268,6 +270,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         if self._reducer is not None and self._reducer.armed:
             self._reducer.reset()  # the previous step raised mid-backward
         self._backwards_in_step = 0
+        self._grads_checked = False
         self._sync_this_step = (self._backward_steps + 1) % self.backward_passes_per_step == 0
 
     def run_pipeline(self, body, mb_args: list) -> list:
@@ -280,9 +283,43 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         Called before each microbatch's backward (by `backward` with pp == 1, by the pipeline
         engine with pp > 1).
         """
+        if not self._grads_checked:  # the step's first backward
+            self._grads_checked = True
+            self._unreduce_held_grads()
         if self._reducer is not None and not self._reducer.armed:
             last = microbatch == state.num_microbatches - 1
             self._reducer.arm(last and self._sync_this_step)
+
+    def grads_zeroed(self) -> None:
+        """The gradients were zeroed: none are held from the last sync (called by
+        DistributedOptimizer.zero_grad, never by scripts)."""
+        self._reduced_grads = None
+
+    def _unreduce_held_grads(self) -> None:
+        """Gradients the last synchronising step reduced, still untouched, about to be
+        accumulated into (several steps per optimizer step with backward_passes_per_step 1):
+        turn them back into what a local sum would hold, so this step's reduction gives the
+        sum of both steps' gradients. The data-parallel mean is the same on every rank, so
+        averaging it again changes nothing; the division by microbatches and the tied
+        weights' sum over stages would count it twice: the reduced gradients are multiplied
+        by the microbatch count, and a tied weight's summed gradient is kept on its first
+        stage only."""
+        held, self._reduced_grads = self._reduced_grads, None
+        if not held:
+            return
+        factor = state.cfg.microbatches if self.average_grads_across_microbatches else 1
+        reducer = self._reducer
+        copies = self._pipeline.tied_copies() if self._pipeline is not None else set()
+        # Decide first, then write: gradients that are views of one buffer (flat fp16 grads,
+        # bucket views) share its version counter, which the first write moves.
+        kept = [(p, grad) for p, grad, version in held
+                if p.grad is grad and grad._version == version]  # else zeroed or replaced
+        with torch.no_grad():
+            for p, grad in kept:
+                if id(p) in copies:
+                    grad.zero_()
+                elif factor != 1 and reducer is not None and reducer.reduces(p):
+                    grad.mul_(factor)
 
     def end_step(self) -> None:
         """After a step's bodies: finish the gradient reduction, sum tied weights' gradients
@@ -297,6 +334,9 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             self._pipeline.finish_step()  # tied weights: sum the reduced grads over stages
         if self._backwards_in_step:
             self._backward_steps += 1
+            if self._sync_this_step:  # what a next step accumulating into them must undo
+                self._reduced_grads = [(p, p.grad, p.grad._version)
+                                       for p in self.local_parameters() if p.grad is not None]
         if self._pipeline is not None:  # now that the step's collectives are done
             self._pipeline.raise_disagreement()
 

@@ -209,6 +209,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's gradients (fp16 ones in place in the flat buffers) and masters'."""
         self._mode.zero_grad(set_to_none)
+        if state.model is not None:
+            state.model.grads_zeroed()
         self._progress = _StepProgress()
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:

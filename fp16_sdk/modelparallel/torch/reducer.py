@@ -28,6 +28,9 @@ where loss_mb is a mean over the microbatch's samples. So
     (smp.nn layers split it), i.e. tp*rdp distinct slices: sum over DP, divide by dp_size.
 `backward_passes_per_step=k`: reduction happens on every k-th step only; the steps in between
 accumulate into `.grad` unreduced (like DDP's no_sync), and the sum is not divided by k.
+Accumulating over synchronising steps (k = 1, no zero_grad between) gives the same sum:
+before such a step's first backward, DistributedModel turns the held, already reduced
+gradients back into a local sum (times microbatches; a tied weight's sum kept on one stage).
 
 A group of one rank (dp = 1) has nothing to exchange: its buckets own no flat buffer, and a
 bucket's "launch" only divides the gradients in place (one multi-tensor kernel, and none when
@@ -127,6 +130,10 @@ class GradReducer:
             total += p.numel()
         buffer = torch.zeros(total, dtype=dtype, device=device) if group.size > 1 else None
         self.buckets.append(_Bucket(len(self.buckets), group, params, offsets, buffer))
+
+    def reduces(self, param) -> bool:
+        """Whether `param` is one of the parameters this reducer reduces."""
+        return id(param) in self._where
 
     @property
     def num_buckets(self) -> int:

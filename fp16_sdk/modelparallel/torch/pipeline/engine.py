@@ -268,6 +268,12 @@ class PipelineEngine:
         """Whether the step that ran last was forward-only (no gradient was touched)."""
         return bool(self._bodies.forward_only)
 
+    def tied_copies(self) -> set[int]:
+        """ids of the tied weights whose summed gradient this stage holds and an earlier
+        stage holds too (finish_step leaves the sum on every holding stage)."""
+        return {id(t.param) for t in self._tied
+                if self.stage in t.stages and self.stage != min(t.stages)}
+
     def finish_step(self) -> None:
         """Sum the gradients of tied weights over the pipeline group (collective, every stage).
 
