@@ -137,7 +137,11 @@ def _accumulate_synced_case(rank, world, microbatches, kwargs):
     for s in range(2):  # both steps reduce; the second accumulates into the first's result
         x, y = global_batch(s, world)
         train(model, x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4])
-    return {n[len("module."):]: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n[len("module."):]: p.grad.clone() for n, p in model.named_parameters()}
+    import weakref
+    refs = [weakref.ref(p.grad) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)  # nn.Module's: the runtime must not keep them alive
+    return grads, all(r() is None for r in refs)
 
 
 @pytest.mark.parametrize("microbatches,kwargs", [
@@ -148,8 +152,9 @@ def test_accumulating_over_reducing_steps_sums_their_gradients(microbatches, kwa
     (the first step's used to be divided by the microbatches once more)."""
     world = 2
     summed, _ = reference_grads([0, 1], world)
-    for rank, grads in enumerate(run_ranks(_accumulate_synced_case, world, microbatches,
-                                           kwargs)):
+    for rank, (grads, freed) in enumerate(run_ranks(_accumulate_synced_case, world,
+                                                    microbatches, kwargs)):
+        assert freed or kwargs.get("gradient_as_bucket_view"), rank  # views: the bucket owns
         for n, g in summed.items():
             assert torch.allclose(grads[n], g, rtol=1e-5, atol=1e-6), (rank, n)
 

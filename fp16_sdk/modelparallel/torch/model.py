@@ -143,7 +143,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._backward_steps = 0          # steps that ran a backward
         self._backwards_in_step = 0
         self._sync_this_step = False
-        self._reduced_grads: list | None = None  # (param, grad, version) the last sync left
+        self._reduced_grads: list | None = None  # (param, weakref(grad), version) the last sync left
         self._grads_checked = False
         state.model = self
         if not self.pipelined:
@@ -312,8 +312,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         copies = self._pipeline.tied_copies() if self._pipeline is not None else set()
         # Decide first, then write: gradients that are views of one buffer (flat fp16 grads,
         # bucket views) share its version counter, which the first write moves.
-        kept = [(p, grad) for p, grad, version in held
-                if p.grad is grad and grad._version == version]  # else zeroed or replaced
+        kept = [(p, p.grad) for p, ref, version in held
+                if p.grad is not None and p.grad is ref() and p.grad._version == version]
         with torch.no_grad():
             for p, grad in kept:
                 if id(p) in copies:
@@ -335,7 +335,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         if self._backwards_in_step:
             self._backward_steps += 1
             if self._sync_this_step:  # what a next step accumulating into them must undo
-                self._reduced_grads = [(p, p.grad, p.grad._version)
+                # Weak: a gradient set to None (model.zero_grad()) must be freed, not held.
+                self._reduced_grads = [(p, weakref.ref(p.grad), p.grad._version)
                                        for p in self.local_parameters() if p.grad is not None]
         if self._pipeline is not None:  # now that the step's collectives are done
             self._pipeline.raise_disagreement()
