@@ -143,7 +143,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._backward_steps = 0          # steps that ran a backward
         self._backwards_in_step = 0
         self._sync_this_step = False
-        self._reduced_grads: list | None = None  # (param, weakref(grad), version) the last sync left
+        self._reduced_grads: list | None = None  # (param, weakref(grad), version) of the last sync
         self._grads_checked = False
         state.model = self
         if not self.pipelined:
