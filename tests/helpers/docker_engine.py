@@ -17,7 +17,9 @@ from fp16_sdk import image as images
 from fp16_sdk.errors import DockerUnavailableError
 from fp16_sdk.pytorch import PyTorch
 
-IMAGE = images.DEFAULT_CPU_IMAGE
+# A developer testing in-image changes of a branch builds its own tag
+# (`container/build_image.sh cpu --tag ...`) and names it here; CI uses the default tag.
+IMAGE = os.environ.get("FP16_SDK_TEST_IMAGE") or images.DEFAULT_CPU_IMAGE
 
 
 def unavailable(reason: str) -> None:
@@ -43,6 +45,8 @@ def estimator(tmp_path: Path, script: str, *, instance_count: int = 2, **kwargs)
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
     (src / "train.py").write_text(textwrap.dedent(script))
+    if IMAGE != images.DEFAULT_CPU_IMAGE:
+        kwargs.setdefault("image_uri", IMAGE)
     return PyTorch(entry_point="train.py", source_dir=str(src), framework_version="2.13.0",
                    py_version="py311", instance_count=instance_count, instance_type="local",
                    output_path=f"file://{tmp_path}/out", **kwargs)
