@@ -180,16 +180,52 @@ def _hf_initialize_wrapper(original):
     return _initialize_weights
 
 
+def _hf_init_weights_wrapper(original):
+    """Older transformers (4.23) have no `_initialize_weights`: their `init_weights` runs
+    `self.apply(self._init_weights)`. For that call an instance attribute stands in for the
+    bound `_init_weights` and records where each module's init starts."""
+    def init_weights(self):
+        inner = self._init_weights
+
+        def recording(module):
+            if "_smp_hf_init" not in module.__dict__:
+                module.__dict__["_smp_hf_init"] = (torch.get_rng_state(), inner)
+            return inner(module)
+        self.__dict__["_init_weights"] = recording
+        try:
+            return original(self)
+        finally:
+            del self.__dict__["_init_weights"]
+    init_weights._smp_delayed = True
+    return init_weights
+
+
+def _hf_hooks(hf) -> dict:
+    """The PreTrainedModel methods delayed creation wraps, as this transformers has them:
+    post_init and the per-module init (`_initialize_weights` where it exists, as in 4.28, else `init_weights`).
+    A version without post_init (< 4.16) gets no hooks: its models record no init and are
+    initialised at materialisation by their own `_init_weights` (`_unrecorded_hf_inits`)."""
+    if hf is None or "post_init" not in hf.__dict__:
+        return {}
+    per_module = "_initialize_weights" if "_initialize_weights" in hf.__dict__ else "init_weights"
+    return {"post_init": hf.__dict__["post_init"], per_module: hf.__dict__[per_module]}
+
+
+_HOOK_WRAPPERS = {"post_init": _hf_post_init_wrapper,
+                  "_initialize_weights": _hf_initialize_wrapper,
+                  "init_weights": _hf_init_weights_wrapper}
+
+
 @contextlib.contextmanager
 def meta_parameters(enabled: bool = True):
     """Register parameters on the meta device while open (False inside True turns it off)."""
     previous = nn.Module.register_parameter
     transformers = sys.modules.get("transformers")
     hf = transformers.PreTrainedModel if transformers is not None else None
-    saved = {k: hf.__dict__[k] for k in ("post_init", "_initialize_weights")} if hf else {}
-    if enabled and hf is not None and not getattr(saved["post_init"], "_smp_delayed", False):
-        hf.post_init = _hf_post_init_wrapper(saved["post_init"])
-        hf._initialize_weights = _hf_initialize_wrapper(saved["_initialize_weights"])
+    saved = _hf_hooks(hf)
+    if enabled and saved and not getattr(saved["post_init"], "_smp_delayed", False):
+        for name, method in saved.items():
+            setattr(hf, name, _HOOK_WRAPPERS[name](method))
     _flush()  # the last module of an enclosing context is done: its parameters go to meta
     nn.Module.register_parameter = _meta_register if enabled else _original_register
     try:
