@@ -29,6 +29,16 @@ def test_origin_is_the_earliest_failure_that_no_signal_ended():
     assert origin_failure([peer_error_later, None, origin]) is origin
 
 
+def test_a_host_stopped_after_its_own_error_is_not_a_victim():
+    """algo-2 raised, then was stopped while it was still exiting; algo-1's rank failed by
+    itself on the lost connection a moment later: the error began on algo-2."""
+    text = "\n".join(contract.failure_header(exit_code=1, failed_at=10.0, signal=15,
+                                             signal_from_toolkit=True, signal_after_error=True))
+    origin = HostFailure.from_text("algo-2", text + "\nCommand: x")
+    assert origin.signal_after_error and origin.by_signal == 15 and not origin.killed
+    assert origin_failure([_failure("algo-1", at=10.2), origin]) is origin
+
+
 def test_origin_is_the_earliest_kill_when_every_host_was_killed():
     late = _failure("algo-1", at=20.0, sig=15, ours=True)
     early = _failure("algo-2", at=12.0, sig=9, ours=False, code=137)
