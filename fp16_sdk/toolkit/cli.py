@@ -19,9 +19,6 @@ SIGTERM and SIGKILL for the tree (default 30).
 from __future__ import annotations
 
 import os
-import re
-import shlex
-import signal
 import sys
 import time
 import traceback
@@ -32,81 +29,14 @@ from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
-from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, ProcessResult, become_subreaper,
-                                      run_process, watch_lifeline)
+from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, become_subreaper, run_process,
+                                      watch_lifeline)
+from fp16_sdk.toolkit.report import display, failure_text, result_failure, setup_failure
 
 __all__ = ["main", "run_training", "failure_text"]
 
-_OOM_HINT = ("The process was killed with SIGKILL (exit 137), most often by the kernel's "
-             "out-of-memory killer: use a larger instance, a smaller batch, or more pipeline/"
-             "tensor parallelism; in Docker also check the container memory and --shm-size.")
-# torchrun's error summary for a worker killed by SIGKILL.
-_WORKER_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
-# "ValueError: ..." as Python prints it last in a traceback; torchrun's own ChildFailedError
-# only says that a worker failed, so the worker's exception is preferred.
-_EXCEPTION_LINE = re.compile(r"^[\w.]*(?:Error|Exception|Interrupt)(?::|$)")
-# torch prefixes a worker's uncaught traceback with "[rankN]: " once its process group exists
-# (every smp job), and torchrun's --tee with "[defaultN]:"; the exception line follows it.
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
-
-
 def _say(message: str) -> None:
     print(f"[toolkit] {message}", flush=True)
-
-
-def _display(argv: Sequence[str]) -> str:
-    """The command as one line, for humans only (never executed)."""
-    return shlex.join(argv)
-
-
-def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str], *,
-                 failed_at: float | None = None, signal: int | None = None,
-                 signal_from_toolkit: bool = False) -> str:
-    """The failure file: the contract's header (`ExitCode N`, `FailedAt`, `Signal` when one
-    ended the command), `Command: ...`, an `ErrorMessage:` line when the tail shows an
-    exception (SageMaker shows only the first 1024 characters as FailureReason), an
-    out-of-memory hint for SIGKILL, then the stderr tail."""
-    lines = contract.failure_header(exit_code=exit_code, failed_at=failed_at, signal=signal,
-                                    signal_from_toolkit=signal_from_toolkit)
-    lines.append(f"Command: {_display(argv)}")
-    unprefixed = (_RANK_PREFIX.sub("", ln.strip()).strip() for ln in reversed(stderr_tail))
-    error = next((ln for ln in unprefixed
-                  if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln), None)
-    if error:
-        lines.append(f"ErrorMessage: {error}")
-    if exit_code == 137 or any(_WORKER_SIGKILL.search(ln) for ln in stderr_tail):
-        lines.append(_OOM_HINT)
-    lines.append("")
-    lines.extend(stderr_tail)
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _setup_failure(message: str, detail: str = "") -> str:
-    """The failure file of an error before the user's command ran (exit code 1)."""
-    lines = contract.failure_header(exit_code=1, failed_at=time.time())
-    return "\n".join([*lines, "Command: train", f"ErrorMessage: {message}"]) + "\n" + detail
-
-
-def _ending_signal(result: ProcessResult) -> tuple[int | None, bool]:
-    """(the signal that ended the command, whether the toolkit sent it), (None, False) when
-    the command exited by itself."""
-    if result.exit_code == 0:
-        return None, False
-    if result.sent_signal is not None:  # our SIGTERM (a stop), or our SIGKILL after the grace
-        killed = result.sent_signal == signal.SIGKILL and result.exit_code == 128 + signal.SIGKILL
-        return (signal.SIGKILL if killed else signal.SIGTERM), True
-    if 128 < result.exit_code < 128 + signal.NSIG:  # shell convention: killed by signal N
-        return result.exit_code - 128, False
-    return None, False
-
-
-def _result_failure(result: ProcessResult, argv: Sequence[str]) -> str:
-    """The failure file of a command that ended with a non-zero status."""
-    sig, ours = _ending_signal(result)
-    began = [t for t in (result.first_error_at, result.stopped_at) if t is not None]
-    return failure_text(result.exit_code, argv, result.stderr_tail,
-                        failed_at=min(began) if began else result.ended_at, signal=sig,
-                        signal_from_toolkit=ours)
 
 
 def _fail(paths: Paths, text: str) -> int:
@@ -122,10 +52,10 @@ def _fail(paths: Paths, text: str) -> int:
 def _install(paths: Paths, env: Mapping[str, str]) -> str | None:
     """Run the requirements.txt / setup.py installs; the failure text, or None when all pass."""
     for step in install_commands(paths.code):
-        _say(f"installing {step.what}: {_display(step.argv)}")
+        _say(f"installing {step.what}: {display(step.argv)}")
         result = run_process(step.argv, env=env, cwd=paths.code)
         if result.exit_code != 0:
-            return _result_failure(result, step.argv)
+            return result_failure(result, step.argv, grace_s=DEFAULT_GRACE_S)
     return None
 
 
@@ -161,7 +91,7 @@ def run_training(environ: Mapping[str, str]) -> int:
     except Exception as exc:  # noqa: BLE001 - any setup error must end in a failure file
         expected = isinstance(exc, (SDKError, OSError))
         detail = "" if expected else "\n" + traceback.format_exc()
-        return _fail(paths, _setup_failure(f"{type(exc).__name__}: {exc}", detail))
+        return _fail(paths, setup_failure(f"{type(exc).__name__}: {exc}", detail))
 
     child_env = dict(environ)
     # The user's own environment= wins for NCCL knobs (SageMaker overwrites them; we don't).
@@ -176,7 +106,7 @@ def run_training(environ: Mapping[str, str]) -> int:
 
     problem = _unpassable(plan.argv, child_env)
     if problem is not None:  # exec would raise ValueError after we can no longer report it
-        return _fail(paths, _setup_failure(f"ConfigError: {problem}"))
+        return _fail(paths, setup_failure(f"ConfigError: {problem}"))
     failed = _install(paths, child_env)
     if failed is not None:
         return _fail(paths, failed)
@@ -184,17 +114,17 @@ def run_training(environ: Mapping[str, str]) -> int:
         _say(note)
     _say(f"host {config.current_host} ({config.hosts.index(config.current_host) + 1}/"
          f"{len(config.hosts)}), {plan.nproc_per_node} process(es), "
-         f"{'torchrun' if plan.distributed else 'direct'}: {_display(plan.argv)}")
+         f"{'torchrun' if plan.distributed else 'direct'}: {display(plan.argv)}")
     result = run_process(plan.argv, env=child_env, cwd=paths.code,
                          grace_s=grace_s)
     elapsed = time.monotonic() - start
     if result.stopped_by is not None and result.exit_code != 0:
-        _fail(paths, _result_failure(result, plan.argv))
+        _fail(paths, result_failure(result, plan.argv, grace_s=grace_s))
         _say(f"stopped by signal {result.stopped_by} after {elapsed:.1f}s")
         return 128 + result.stopped_by
     if result.exit_code != 0:
         _say(f"training failed with exit code {result.exit_code} after {elapsed:.1f}s")
-        return _fail(paths, _result_failure(result, plan.argv))
+        return _fail(paths, result_failure(result, plan.argv, grace_s=grace_s))
     (paths.output / "success").write_text("")
     _say(f"training succeeded in {elapsed:.1f}s")
     return 0
@@ -260,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         fd = _lifeline_fd(os.environ)
     except ConfigError as exc:
-        sys.exit(_fail(Paths.from_environ(os.environ), _setup_failure(f"ConfigError: {exc}")))
+        sys.exit(_fail(Paths.from_environ(os.environ), setup_failure(f"ConfigError: {exc}")))
     become_subreaper()  # orphaned workers stay in our tree (a no-op outside Linux)
     if fd is not None:
         watch_lifeline(fd)
