@@ -22,6 +22,7 @@ SIGTERM and SIGKILL for the tree (default 30).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
+from fp16_sdk.toolkit.passable import unpassable
 from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, become_subreaper, run_process,
                                       watch_lifeline)
 from fp16_sdk.toolkit.stops import StopSignals, Stopped
@@ -61,7 +63,10 @@ def _install(paths: Paths, env: Mapping[str, str], stops: StopSignals) -> str | 
     """Run the requirements.txt / setup.py installs; the failure text, or None when all pass."""
     for step in install_commands(paths.code):
         _say(f"installing {step.what}: {display(step.argv)}")
-        result = run_process(step.argv, env=env, cwd=paths.code, stops=stops)
+        try:
+            result = run_process(step.argv, env=env, cwd=paths.code, stops=stops)
+        except (OSError, ValueError) as exc:
+            return _launch_failure(exc, step.argv)
         if result.exit_code != 0:
             return result_failure(result, step.argv, grace_s=DEFAULT_GRACE_S)
     return None
@@ -98,8 +103,9 @@ def run_training(environ: Mapping[str, str], *, stops: StopSignals | None = None
     stops.raise_when_idle = False  # from here on a stop is forwarded, or only remembered
     config, plan, child_env, grace_s = setup
 
-    problem = _unpassable(plan.argv, child_env)
-    if problem is not None:  # exec would raise ValueError after we can no longer report it
+    # exec would fail (ValueError, E2BIG) with nothing to say which hyperparameter is the cause
+    problem = unpassable(plan.argv, child_env, hyperparameters=config.user_hyperparameters)
+    if problem is not None:
         return _fail(paths, setup_failure(f"ConfigError: {problem}"))
     failed = _install(paths, child_env, stops)
     if failed is not None:
@@ -111,9 +117,12 @@ def run_training(environ: Mapping[str, str], *, stops: StopSignals | None = None
          f"{'torchrun' if plan.distributed else 'direct'}: {display(plan.argv)}")
     if stops.received is not None:
         return _stopped_before_start(paths, stops.received, stops.at)
-    result = run_process(plan.argv, env=child_env, cwd=paths.code, grace_s=grace_s,
-                         stops=stops, settle_s=min(SETTLE_S, grace_s / 3) if plan.distributed
-                         else 0.0)
+    try:
+        result = run_process(plan.argv, env=child_env, cwd=paths.code, grace_s=grace_s,
+                             stops=stops, settle_s=min(SETTLE_S, grace_s / 3)
+                             if plan.distributed else 0.0)
+    except (OSError, ValueError) as exc:  # exec refused it: no process ran
+        return _fail(paths, _launch_failure(exc, plan.argv))
     elapsed = time.monotonic() - start
     if result.stopped_by is not None and result.exit_code != 0:
         _fail(paths, result_failure(result, plan.argv, grace_s=grace_s))
@@ -162,6 +171,19 @@ def _set_up(paths: Paths, environ: Mapping[str, str]):
     return config, plan, child_env, grace_s
 
 
+_E2BIG_FIX = ("; an argument or environment value is too long for Linux: pass large "
+              "hyperparameter values through a file (in source_dir or an input channel)")
+
+
+def _launch_failure(exc: BaseException, argv: Sequence[str]) -> str:
+    """The failure file of a command that could not be started at all."""
+    too_big = isinstance(exc, OSError) and exc.errno == errno.E2BIG
+    lines = contract.failure_header(exit_code=1, failed_at=time.time())
+    return "\n".join([*lines, f"Command: {display(argv)[:400]}",
+                      f"ErrorMessage: the command could not be started: "
+                      f"{type(exc).__name__}: {exc}{_E2BIG_FIX if too_big else ''}"]) + "\n"
+
+
 def _succeed(paths: Paths) -> None:
     """Write output/success (the training command exited 0)."""
     (paths.output / "success").write_text("")
@@ -176,20 +198,6 @@ def _stopped_before_start(paths: Paths, signum: int, at: float | None) -> int:
                                                       "started (the job was stopped)"]) + "\n")
     _say(f"stopped by {name} before the training started")
     return 128 + signum
-
-
-def _unpassable(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
-    """Why `argv`/`env` cannot reach exec (a NUL anywhere, '=' in a name), or None."""
-    for name, value in env.items():
-        if not name or "=" in name or "\x00" in name or "\x00" in value:
-            return (f"environment variable {name[:80]!r} (value {value[:40]!r}) cannot be "
-                    "passed to the script: names must be non-empty without '=' or NUL and "
-                    "values without NUL; rename the hyperparameter (SM_HP_<KEY>) or variable")
-    for arg in argv:
-        if "\x00" in arg:
-            return (f"argument {arg[:80]!r} holds a NUL character, which no command line can "
-                    "carry; remove it from the hyperparameter")
-    return None
 
 
 def _grace_s(environ: Mapping[str, str]) -> float:
