@@ -64,3 +64,13 @@ def test_a_secret_value_with_a_nul_is_named_by_variable_and_length_only(tmp_path
     assert proc.returncode == 1
     assert "environment variable 'SM_HP_TOKEN' (112 characters)" in text
     assert "secret-7c1e" not in text and "secret-7c1e" not in proc.stdout + proc.stderr
+
+
+def test_an_over_long_toolkit_setting_is_named_by_its_length_only(tmp_path):
+    base = make_job(tmp_path, {"train.py": "print('never')\n"}, {})
+    proc = run_toolkit(base, FP16_SDK_STOP_GRACE_S="9" * 30 + "secret" + "9" * 300)
+    text = (base / "output" / "failure").read_text()
+    assert proc.returncode == 1
+    assert "FP16_SDK_STOP_GRACE_S must be a number of seconds >= 0, got a value of 336 " \
+           "characters" in text
+    assert "secret" not in text + proc.stdout + proc.stderr

@@ -35,7 +35,7 @@ from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
-from fp16_sdk.toolkit.passable import unpassable
+from fp16_sdk.toolkit.passable import shown, unpassable
 from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, become_subreaper, run_process,
                                       watch_lifeline)
 from fp16_sdk.toolkit.stops import StopSignals, Stopped
@@ -215,7 +215,7 @@ def _grace_s(environ: Mapping[str, str]) -> float:
         value = -1.0
     if not value >= 0:  # also refuses nan
         raise ConfigError(f"FP16_SDK_STOP_GRACE_S must be a number of seconds >= 0, got "
-                          f"{text!r}", key="FP16_SDK_STOP_GRACE_S", value=text)
+                          f"{shown(text)}", key="FP16_SDK_STOP_GRACE_S")
     return value
 
 
@@ -229,8 +229,8 @@ def _lifeline_fd(environ: Mapping[str, str]) -> int | None:
     if text is None:
         return None
     if not text.isdigit():
-        raise ConfigError(f"FP16_SDK_LIFELINE_FD must be a file descriptor number, got {text!r}",
-                          key="FP16_SDK_LIFELINE_FD", value=text)
+        raise ConfigError(f"FP16_SDK_LIFELINE_FD must be a file descriptor number, got "
+                          f"{shown(text)}", key="FP16_SDK_LIFELINE_FD")
     try:
         os.fstat(int(text))
     except OSError as exc:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Sequence
 
-__all__ = ["MAX_ARG_STRLEN", "arg_max", "unpassable"]
+__all__ = ["MAX_ARG_STRLEN", "arg_max", "unpassable", "shown"]
 
 MAX_ARG_STRLEN = 32 * 4096  # linux/binfmts.h: bytes of one argv/envp string, its NUL included
 _POINTER = 8  # each argv/envp entry also costs one pointer in the new process's stack
@@ -38,6 +38,12 @@ def arg_max() -> int:
     except (ValueError, OSError, AttributeError):
         value = -1
     return value if value > 0 else 2 * 1024 * 1024
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """A toolkit setting's value for an error: repr when short, else only its length (an
+    over-long value is never echoed, not even in part)."""
+    return repr(text) if len(text) <= limit else f"a value of {len(text)} characters"
 
 
 def _size(text: str) -> int:
