@@ -212,6 +212,7 @@ def test_exception_in_one_rank_of_world4(job):
     assert len(pids) == 8 and not [p for p in pids if _alive(p)]
 
 
+@pytest.mark.slow
 def test_failure_names_the_host_where_the_error_began_not_the_first_to_exit(job):
     """algo-2's rank raises first; its process then lingers in an atexit hook after closing its
     Gloo connections, so algo-1's rank (waiting to receive from it) fails with a connection
