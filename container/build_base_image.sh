@@ -26,39 +26,8 @@ if [[ $EUID -ne 0 ]]; then
     exit 1
 fi
 
-# The first non-security mirror that serves $suite, from deb822 *.sources or one-line *.list files.
-find_mirror() {
-    local f
-    shopt -s nullglob
-    for f in /etc/apt/sources.list.d/*.sources; do
-        awk -v suite="$suite" 'BEGIN { RS = ""; FS = "\n" }
-            {
-                uris = ""; ok = 0
-                for (i = 1; i <= NF; i++) {
-                    if ($i ~ /^URIs:/) { uris = $i; sub(/^URIs:[ \t]*/, "", uris) }
-                    if ($i ~ /^Suites:/) {
-                        n = split($i, s, /[ \t]+/)
-                        for (j = 2; j <= n; j++) if (s[j] == suite) ok = 1
-                    }
-                }
-                split(uris, u, /[ \t]+/)
-                if (ok && u[1] != "" && u[1] !~ /security/) { print u[1]; exit }
-            }' "$f"
-    done
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -f "$f" ]] || continue
-        awk -v suite="$suite" '$1 == "deb" {
-                i = 2; if ($i ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
-                if ($(i + 1) == suite && $i !~ /security/) { print $i; exit }
-            }' "$f"
-    done
-}
-
-mirror="${DEBIAN_MIRROR:-$(find_mirror | head -n 1)}"
-if [[ -z "$mirror" ]]; then
-    echo "no apt mirror for $suite found in /etc/apt; set DEBIAN_MIRROR=<url of a Debian mirror>" >&2
-    exit 1
-fi
+# The machine's own mirror (read from /etc/apt at run time, or $DEBIAN_MIRROR).
+mirror="$("$(dirname "${BASH_SOURCE[0]}")/apt_mirror.sh" "$suite")"
 
 rootfs="$(mktemp -d /tmp/fp16-sdk-rootfs.XXXXXX)"
 trap 'rm -rf --one-file-system "$rootfs"' EXIT
