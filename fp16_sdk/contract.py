@@ -11,6 +11,8 @@ it (`toolkit.env`). Every handle's `describe()` builds its DescribeTrainingJob d
 - The variables a backend sets for the toolkit (`BASE_DIR_VAR`, `HOST_ADDRESSES_VAR`...), the
   reserved hyperparameter names and `sm_variable` (SM_<FIELD>).
 - `describe_training_job`: the DescribeTrainingJob shape every backend's handle returns.
+- The failure file's machine-readable header (`failure_header`, `parse_failure_header`): the
+  toolkit writes it, `backends.failures` reads it to find the host where an error began.
 
 No import of the SDK or the runtime: this module is read inside the container before torch.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import signal as _signal
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
@@ -27,7 +31,9 @@ __all__ = [
     "INPUT_DATA_CONFIG_FILE", "CONFIG_FILES", "DEFAULT_GROUP", "DEFAULT_MASTER_PORT",
     "SOURCEDIR_NAME", "FAILURE_REASON_LIMIT", "SAGEMAKER_KEYS", "DISTRIBUTION_FLAGS",
     "JOB_NAME_VAR", "HOST_ADDRESSES_VAR", "MASTER_PORT_VAR", "LIFELINE_FD_VAR",
-    "STOP_GRACE_VAR", "Layout", "ChannelLike", "resource_config", "input_data_config",
+    "STOP_GRACE_VAR", "FAILURE_EXIT_CODE", "FAILURE_AT", "FAILURE_SIGNAL",
+    "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "FailureHeader", "failure_header",
+    "parse_failure_header", "Layout", "ChannelLike", "resource_config", "input_data_config",
     "config_text", "config_files", "code_uri", "sm_variable", "describe_training_job",
 ]
 
@@ -185,6 +191,81 @@ def code_uri(job_name: str, *, output_path: str, code_location: str | None = Non
 def sm_variable(field: str) -> str:
     """The variable of one training-environment field: `hosts` -> `SM_HOSTS`."""
     return f"SM_{field.upper()}"
+
+
+# ---- output/failure: the header a backend reads -------------------------------------------
+#
+# The toolkit's failure file starts with these lines, one each, before any human text:
+#   ExitCode 137                 the user's command's exit status (always first)
+#   FailedAt 1765000000.123      when this host's error began, seconds since the epoch
+#   Signal 9 SIGKILL toolkit     only when a signal ended the command: its number, its name,
+#                                and who sent it: "toolkit" (a stop the toolkit forwarded, or
+#                                its SIGKILL after the grace) or "outside" (nobody the toolkit
+#                                knows of: the out-of-memory killer, a kill by hand)
+# then "Command: ...", "ErrorMessage: ...", a hint and the stderr tail. SageMaker shows only
+# the first FAILURE_REASON_LIMIT characters as FailureReason, so the header stays short.
+
+FAILURE_EXIT_CODE = "ExitCode"
+FAILURE_AT = "FailedAt"
+FAILURE_SIGNAL = "Signal"
+SIGNAL_FROM_TOOLKIT = "toolkit"
+SIGNAL_FROM_OUTSIDE = "outside"
+_HEADER_LINE = re.compile(
+    rf"^(?:{FAILURE_EXIT_CODE}\s+(?P<code>-?\d+)"
+    rf"|{FAILURE_AT}\s+(?P<at>\d+(?:\.\d+)?)"
+    rf"|{FAILURE_SIGNAL}\s+(?P<sig>\d+)(?:\s+SIG\w+)?\s+"
+    rf"(?P<by>{SIGNAL_FROM_TOOLKIT}|{SIGNAL_FROM_OUTSIDE}))\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureHeader:
+    """What the header of a failure file says; None for a line it does not have."""
+
+    exit_code: int | None = None
+    failed_at: float | None = None
+    signal: int | None = None
+    signal_from_toolkit: bool = False
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return _signal.Signals(number).name
+    except ValueError:
+        return f"SIG{number}"
+
+
+def failure_header(*, exit_code: int, failed_at: float | None = None,
+                   signal: int | None = None, signal_from_toolkit: bool = False) -> list[str]:
+    """The header lines of a failure file (see the block comment above)."""
+    lines = [f"{FAILURE_EXIT_CODE} {exit_code}"]
+    if failed_at is not None:
+        lines.append(f"{FAILURE_AT} {failed_at:.3f}")
+    if signal is not None:
+        sender = SIGNAL_FROM_TOOLKIT if signal_from_toolkit else SIGNAL_FROM_OUTSIDE
+        lines.append(f"{FAILURE_SIGNAL} {signal} {_signal_name(signal)} {sender}")
+    return lines
+
+
+def parse_failure_header(text: str) -> FailureHeader:
+    """The header of a failure file's `text`: the lines from the top that match it.
+
+    Parsing stops at the first other line, so nothing below (a command line, a stderr tail)
+    is ever taken for a header line. A file without the header (one a script wrote itself)
+    gives an empty FailureHeader.
+    """
+    found: dict = {}
+    for line in text.lstrip().splitlines()[:4]:
+        m = _HEADER_LINE.match(line)
+        if m is None:
+            break
+        if m["code"] is not None and "exit_code" not in found:
+            found["exit_code"] = int(m["code"])
+        elif m["at"] is not None:
+            found["failed_at"] = float(m["at"])
+        elif m["sig"] is not None:
+            found["signal"] = int(m["sig"])
+            found["signal_from_toolkit"] = m["by"] == SIGNAL_FROM_TOOLKIT
+    return FailureHeader(**found)
 
 
 # ---- DescribeTrainingJob -------------------------------------------------------------------

@@ -9,7 +9,8 @@ output/model.tar.gz            /opt/ml/model of every host, merged (the remote l
 output/output.tar.gz           /opt/ml/output/data of every host, merged
 ```
 Public API (small on purpose, shared by local_process and local Docker):
-`job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `read_failure`,
+`job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `read_failure`
+(and `host_failure`),
 `collect_artifacts`, `remove_hosts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`, `JobLog`, and
 `follow_or_stop` (what `wait()` does on Ctrl-C and SIGTERM, the same for both backends).
 """
@@ -18,13 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import os
-import re
 import shutil
 import signal
-import stat
 import sys
 import tarfile
 import threading
@@ -34,9 +32,10 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 from fp16_sdk import contract
 from fp16_sdk.backends.base import Channel, JobSpec
+from fp16_sdk.backends.failures import FAILURE_FILE_LIMIT, HostFailure, read_host_failure
 
 __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
-           "checkpoint_store", "read_failure", "FAILURE_FILE_LIMIT", "collect_artifacts", "remove_hosts",
+           "checkpoint_store", "read_failure", "host_failure", "FAILURE_FILE_LIMIT", "collect_artifacts", "remove_hosts",
            "final_metrics", "JobLog", "Terminated", "sigterm_raises", "follow_or_stop"]
 
 log = logging.getLogger(__name__)
@@ -154,54 +153,19 @@ def _link_channel(ch: Channel, target: Path, *, rank: int, count: int) -> None:
             link.symlink_to(path)
 
 
-FAILURE_FILE_LIMIT = 64 * 1024  # bytes read; SageMaker shows 1024 characters as FailureReason
-
-
-def _read_unlinked(root: Path, parts: Sequence[str], limit: int) -> str:
-    """Read `root/parts...` without following any link below `root`, at most `limit` bytes.
-
-    The host tree below `root` is written by the job (in Docker by a container as root), so
-    every component is opened with O_NOFOLLOW relative to the one before, the file with
-    O_NONBLOCK (a FIFO must not block us) and then checked to be a regular file.
-
-    Raises:
-        FileNotFoundError: a component is missing.
-        OSError: a component is a link (ELOOP/ENOTDIR) or the file is not a regular file.
-    """
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for part in parts[:-1]:
-            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = child
-        file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-    finally:
-        os.close(fd)
-    with os.fdopen(file_fd, "rb") as f:
-        mode = os.fstat(file_fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, f"not a regular file (mode {stat.filemode(mode)})")
-        data = f.read(limit + 1)
-    text = data[:limit].decode("utf-8", errors="replace")  # a cut character becomes U+FFFD
-    return text + (f"\n[failure file cut at {limit} bytes]" if len(data) > limit else "")
-
-
 def read_failure(tree: HostTree) -> tuple[int | None, str] | None:
     """A host's failure file as (exit code of the user's command, full text); None if absent.
 
-    The toolkit writes `ExitCode N` on the first line, then the command and the stderr tail.
-    A failure file that is a link, a FIFO or a device is not read: the text says so instead.
+    `failures.read_host_failure` with no link followed below the host's tree; see it for the
+    header a backend reads (`host_failure` gives the whole HostFailure).
     """
-    parts = tree.failure_file.relative_to(tree.root).parts
-    try:
-        text = _read_unlinked(tree.root, parts, FAILURE_FILE_LIMIT)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return None, (f"{tree.failure_file} was not read: it or a folder above it is a link or "
-                      f"not a regular file ({exc.strerror or exc})")
-    m = re.match(r"\s*ExitCode\s+(-?\d+)", text)
-    return (int(m.group(1)) if m else None), text.strip()
+    found = host_failure(tree)
+    return None if found is None else (found.exit_code, found.reason)
+
+
+def host_failure(tree: HostTree) -> HostFailure | None:
+    """A host's failure file as a HostFailure (no link followed below the tree); None if absent."""
+    return read_host_failure(tree.host, tree.failure_file, root=tree.root)
 
 
 def _merged_members(roots: Sequence[Path]) -> dict[str, Path]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -31,8 +32,8 @@ from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
-from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, become_subreaper, run_process,
-                                      watch_lifeline)
+from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, ProcessResult, become_subreaper,
+                                      run_process, watch_lifeline)
 
 __all__ = ["main", "run_training", "failure_text"]
 
@@ -58,11 +59,16 @@ def _display(argv: Sequence[str]) -> str:
     return shlex.join(argv)
 
 
-def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str]) -> str:
-    """The failure file: `ExitCode N`, `Command: ...`, an `ErrorMessage:` line when the tail
-    shows an exception (SageMaker shows only the first 1024 characters as FailureReason), an
+def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str], *,
+                 failed_at: float | None = None, signal: int | None = None,
+                 signal_from_toolkit: bool = False) -> str:
+    """The failure file: the contract's header (`ExitCode N`, `FailedAt`, `Signal` when one
+    ended the command), `Command: ...`, an `ErrorMessage:` line when the tail shows an
+    exception (SageMaker shows only the first 1024 characters as FailureReason), an
     out-of-memory hint for SIGKILL, then the stderr tail."""
-    lines = [f"ExitCode {exit_code}", f"Command: {_display(argv)}"]
+    lines = contract.failure_header(exit_code=exit_code, failed_at=failed_at, signal=signal,
+                                    signal_from_toolkit=signal_from_toolkit)
+    lines.append(f"Command: {_display(argv)}")
     unprefixed = (_RANK_PREFIX.sub("", ln.strip()).strip() for ln in reversed(stderr_tail))
     error = next((ln for ln in unprefixed
                   if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln), None)
@@ -73,6 +79,34 @@ def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str]
     lines.append("")
     lines.extend(stderr_tail)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _setup_failure(message: str, detail: str = "") -> str:
+    """The failure file of an error before the user's command ran (exit code 1)."""
+    lines = contract.failure_header(exit_code=1, failed_at=time.time())
+    return "\n".join([*lines, "Command: train", f"ErrorMessage: {message}"]) + "\n" + detail
+
+
+def _ending_signal(result: ProcessResult) -> tuple[int | None, bool]:
+    """(the signal that ended the command, whether the toolkit sent it), (None, False) when
+    the command exited by itself."""
+    if result.exit_code == 0:
+        return None, False
+    if result.sent_signal is not None:  # our SIGTERM (a stop), or our SIGKILL after the grace
+        killed = result.sent_signal == signal.SIGKILL and result.exit_code == 128 + signal.SIGKILL
+        return (signal.SIGKILL if killed else signal.SIGTERM), True
+    if 128 < result.exit_code < 128 + signal.NSIG:  # shell convention: killed by signal N
+        return result.exit_code - 128, False
+    return None, False
+
+
+def _result_failure(result: ProcessResult, argv: Sequence[str]) -> str:
+    """The failure file of a command that ended with a non-zero status."""
+    sig, ours = _ending_signal(result)
+    began = [t for t in (result.first_error_at, result.stopped_at) if t is not None]
+    return failure_text(result.exit_code, argv, result.stderr_tail,
+                        failed_at=min(began) if began else result.ended_at, signal=sig,
+                        signal_from_toolkit=ours)
 
 
 def _fail(paths: Paths, text: str) -> int:
@@ -91,7 +125,7 @@ def _install(paths: Paths, env: Mapping[str, str]) -> str | None:
         _say(f"installing {step.what}: {_display(step.argv)}")
         result = run_process(step.argv, env=env, cwd=paths.code)
         if result.exit_code != 0:
-            return failure_text(result.exit_code, step.argv, result.stderr_tail)
+            return _result_failure(result, step.argv)
     return None
 
 
@@ -127,8 +161,7 @@ def run_training(environ: Mapping[str, str]) -> int:
     except Exception as exc:  # noqa: BLE001 - any setup error must end in a failure file
         expected = isinstance(exc, (SDKError, OSError))
         detail = "" if expected else "\n" + traceback.format_exc()
-        return _fail(paths, f"ExitCode 1\nCommand: train\nErrorMessage: "
-                            f"{type(exc).__name__}: {exc}\n{detail}")
+        return _fail(paths, _setup_failure(f"{type(exc).__name__}: {exc}", detail))
 
     child_env = dict(environ)
     # The user's own environment= wins for NCCL knobs (SageMaker overwrites them; we don't).
@@ -143,7 +176,7 @@ def run_training(environ: Mapping[str, str]) -> int:
 
     problem = _unpassable(plan.argv, child_env)
     if problem is not None:  # exec would raise ValueError after we can no longer report it
-        return _fail(paths, f"ExitCode 1\nCommand: train\nErrorMessage: ConfigError: {problem}\n")
+        return _fail(paths, _setup_failure(f"ConfigError: {problem}"))
     failed = _install(paths, child_env)
     if failed is not None:
         return _fail(paths, failed)
@@ -156,12 +189,12 @@ def run_training(environ: Mapping[str, str]) -> int:
                          grace_s=grace_s)
     elapsed = time.monotonic() - start
     if result.stopped_by is not None and result.exit_code != 0:
-        _fail(paths, failure_text(result.exit_code, plan.argv, result.stderr_tail))
+        _fail(paths, _result_failure(result, plan.argv))
         _say(f"stopped by signal {result.stopped_by} after {elapsed:.1f}s")
         return 128 + result.stopped_by
     if result.exit_code != 0:
         _say(f"training failed with exit code {result.exit_code} after {elapsed:.1f}s")
-        return _fail(paths, failure_text(result.exit_code, plan.argv, result.stderr_tail))
+        return _fail(paths, _result_failure(result, plan.argv))
     (paths.output / "success").write_text("")
     _say(f"training succeeded in {elapsed:.1f}s")
     return 0
@@ -227,8 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         fd = _lifeline_fd(os.environ)
     except ConfigError as exc:
-        sys.exit(_fail(Paths.from_environ(os.environ),
-                       f"ExitCode 1\nCommand: train\nErrorMessage: ConfigError: {exc}\n"))
+        sys.exit(_fail(Paths.from_environ(os.environ), _setup_failure(f"ConfigError: {exc}")))
     become_subreaper()  # orphaned workers stay in our tree (a no-op outside Linux)
     if fd is not None:
         watch_lifeline(fd)

@@ -49,11 +49,20 @@ class ProcessResult:
         exit_code: shell convention: the exit status, or 128 + N when killed by signal N.
         stderr_tail: the last `TAIL_LINES` lines the tree wrote to stderr.
         stopped_by: the signal the toolkit received and forwarded, if any.
+        sent_signal: the last signal the toolkit sent to the command while it was still
+            running (SIGTERM on a stop, SIGKILL after the grace), None if it sent none.
+        ended_at: when the command ended (seconds since the epoch).
+        first_error_at: when the first line of a Python traceback reached our stderr.
+        stopped_at: when the stop signal arrived.
     """
 
     exit_code: int
     stderr_tail: list[str] = field(default_factory=list)
     stopped_by: int | None = None
+    sent_signal: int | None = None
+    ended_at: float = 0.0
+    first_error_at: float | None = None
+    stopped_at: float | None = None
 
 
 def descendants(pid: int) -> list[int]:
@@ -143,6 +152,7 @@ class _Tree:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.known: set[int] = set()
+        self.sent_to_command: int | None = None  # the last signal sent while proc ran
 
     def refresh(self) -> None:
         self.known.update(descendants(self.proc.pid))
@@ -150,6 +160,8 @@ class _Tree:
             self.known.update(descendants(os.getpid()))
 
     def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:  # still running: the signal may be what ends it
+            self.sent_to_command = sig
         self.refresh()
         groups = {self.proc.pid}  # the child leads its own session/group
         for pid in self.known:
@@ -186,8 +198,12 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def _pump_stderr(pipe, tail: collections.deque) -> None:
-    """Copy the child's stderr to ours as it comes, keeping the last lines."""
+_TRACEBACK = b"Traceback (most recent call last)"
+
+
+def _pump_stderr(pipe, tail: collections.deque, marks: dict) -> None:
+    """Copy the child's stderr to ours as it comes, keeping the last lines; marks["error"] is
+    when the first traceback arrived (a rank's own error comes before a peer's reaction)."""
     out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
     partial = b""
     while True:
@@ -199,6 +215,8 @@ def _pump_stderr(pipe, tail: collections.deque) -> None:
             out.flush()
         else:
             sys.stderr.write(chunk.decode("utf-8", "replace"))
+        if "error" not in marks and _TRACEBACK in partial + chunk:
+            marks["error"] = time.time()
         lines = (partial + chunk).split(b"\n")
         partial = lines.pop()
         tail.extend(line.decode("utf-8", "replace") for line in lines)
@@ -231,13 +249,15 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
     proc = subprocess.Popen(list(argv), env=dict(env), cwd=str(cwd), stdin=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     tree = _Tree(proc)
-    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, tail), daemon=True)
+    marks: dict[str, float] = {}
+    pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, tail, marks), daemon=True)
     pump.start()
     received: list[int] = []
 
     def on_signal(signum, _frame):
         if not received:
             received.append(signum)
+            marks["stopped"] = time.time()
             tree.signal(signal.SIGTERM)
 
     previous = {}
@@ -251,6 +271,8 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
                 proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
+        if proc.returncode is not None:
+            marks["ended"] = time.time()
         # The child ended by itself but left processes (workers of a torchrun that was killed,
         # a daemon): a tree never outlives its root, they get the same SIGTERM/SIGKILL.
         stray = not received and tree.alive()
@@ -266,6 +288,7 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
                 while tree.alive() and time.monotonic() < deadline:
                     time.sleep(0.05)
             proc.wait()
+            marks.setdefault("ended", time.time())
             _reap_orphans(proc.pid)
     finally:
         for sig, handler in previous.items():
@@ -273,4 +296,6 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
     pump.join(timeout=5.0)
     code = proc.returncode
     return ProcessResult(exit_code=128 - code if code < 0 else code, stderr_tail=list(tail),
-                         stopped_by=received[0] if received else None)
+                         stopped_by=received[0] if received else None,
+                         sent_signal=tree.sent_to_command, ended_at=marks["ended"],
+                         first_error_at=marks.get("error"), stopped_at=marks.get("stopped"))
