@@ -99,9 +99,9 @@ def test_sbatch_args_go_to_sbatch_as_argv_not_into_the_script():
     opts = SlurmOptions.parse({"submit_command": ["ssh", "login1"],
                                "sbatch_args": ["--constraint=a100 && reboot"]})
     files = script.JobFiles(Path("/shared/jobs/j-1"))
-    assert script.sbatch_argv(opts, files) == [
-        "ssh", "login1", "sbatch", "--parsable", "--constraint=a100 && reboot",
-        "/shared/jobs/j-1/slurm/job.sbatch"]
+    argv = SlurmCli(opts.submit_command)._argv(script.sbatch_argv(opts, files))
+    assert argv == ["ssh", "login1", "sbatch", "--parsable", "'--constraint=a100 && reboot'",
+                    "/shared/jobs/j-1/slurm/job.sbatch"]  # one word for the remote shell too
     assert "a100" not in _batch({"sbatch_args": ["--constraint=a100"]})
 
 

@@ -213,6 +213,6 @@ def node_script(*, job_name: str, files: JobFiles, environment: Mapping[str, str
 
 
 def sbatch_argv(options: SlurmOptions, files: JobFiles) -> list[str]:
-    """submit_command + sbatch --parsable + sbatch_args + the script (argv, never a shell)."""
-    return [*options.submit_command, "sbatch", "--parsable", *options.sbatch_args,
-            str(files.batch)]
+    """sbatch --parsable + sbatch_args + the script (argv, never a shell; `SlurmCli` puts
+    submit_command in front)."""
+    return ["sbatch", "--parsable", *options.sbatch_args, str(files.batch)]
