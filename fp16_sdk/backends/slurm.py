@@ -85,12 +85,15 @@ class SlurmBackend(Backend):
     # ---- checks ------------------------------------------------------------------------
 
     @staticmethod
-    def _check_locations(spec: JobSpec, shared: Sequence[Path]) -> None:
-        if not spec.output_path.startswith("file://"):
+    def _check_output_path(spec: JobSpec) -> None:
+        if not spec.output_path.startswith("file:///"):
             raise ConfigError(f"output_path={spec.output_path!r} must be a file:// folder on "
                               "the shared filesystem every Slurm node sees at the same path, "
                               "such as 'file:///shared/jobs'", key="output_path",
                               value=spec.output_path)
+
+    @staticmethod
+    def _check_locations(spec: JobSpec, shared: Sequence[Path]) -> None:
         for ch in spec.channels:
             if not ch.uri.startswith("file://"):
                 raise ConfigError(f"inputs[{ch.name!r}]={ch.uri!r}: the Slurm backend reads "
@@ -167,7 +170,7 @@ class SlurmBackend(Backend):
             BackendError: a Slurm command failed (its argv and Slurm's words in the message).
         """
         options = SlurmOptions.parse(spec.backend_options)
-        self._check_locations(spec, ())  # output_path first: the rest is relative to it
+        self._check_output_path(spec)  # first: the shared paths start from it
         files = script.JobFiles(lc.job_dir(spec))
         shared = (files.root.parent, *options.shared_paths)
         self._check_locations(spec, shared)
