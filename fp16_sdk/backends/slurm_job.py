@@ -37,6 +37,7 @@ __all__ = ["SlurmJob", "POLL_S"]
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # seconds between two looks at Slurm's record while following a job
+WATCH_S = 5.0  # ... while nobody follows: the controller forgets an ended job after MinJobAge
 
 
 class SlurmJob(JobHandle):
@@ -66,6 +67,19 @@ class SlurmJob(JobHandle):
         self._final: JobStatus | None = None
         self._start_time = submitted or dt.datetime.now(dt.timezone.utc)
         self._end_time: dt.datetime | None = None
+        threading.Thread(target=self._watch, name=f"{self.name}-slurm-watch",
+                         daemon=True).start()
+
+    def _watch(self) -> None:
+        """See the job's end while this process lives, even when nobody waits: on a cluster
+        without accounting, only the controller knows a TIMEOUT, and only for MinJobAge."""
+        while self._final is None:
+            time.sleep(WATCH_S)
+            try:
+                self._refresh()
+            except Exception as exc:  # noqa: BLE001 - a watcher must not die of one bad look
+                log.debug("job %s: looking at Slurm job %s failed: %s", self.name,
+                          self.job_id, exc)
 
     # ---- Slurm's record ----------------------------------------------------------------
 
@@ -97,7 +111,7 @@ class SlurmJob(JobHandle):
     def _finish(self) -> None:
         """Read the last log lines, collect the artifacts and settle status and error."""
         state = self._state
-        self._pump(show=False, final=True)
+        self._pump(final=True)
         status = job_status(state.state)
         out = self.files.root / "output"
         if not ((out / "model.tar.gz").exists() and (out / "output.tar.gz").exists()):
@@ -131,22 +145,22 @@ class SlurmJob(JobHandle):
 
     # ---- logs --------------------------------------------------------------------------
 
-    def _pump(self, *, show: bool, final: bool = False) -> None:
+    def _pump(self, *, final: bool = False) -> None:
         with self._lock:
-            new = self._node_logs.read(final=final)
-            for line in new:
+            for line in self._node_logs.read(final=final):
                 self._log.add(line)
-        if show and new:
-            sys.stdout.write("".join(line + "\n" for line in new))
-            sys.stdout.flush()
 
-    def _follow(self, *, show: bool, replay: bool) -> None:
-        if replay and show:
-            lines = self._log.lines()
-            sys.stdout.write("".join(line + "\n" for line in lines))
+    def _follow(self, *, show: bool) -> None:
+        """Every line so far, then the new ones, until the job has ended."""
+        cursor = 0
         while True:
             state = self._refresh()
-            self._pump(show=show)
+            self._pump()
+            lines = self._log.lines()  # the watcher may have read some: print from the log
+            if show and len(lines) > cursor:
+                sys.stdout.write("".join(line + "\n" for line in lines[cursor:]))
+                sys.stdout.flush()
+            cursor = len(lines)
             if state.ended:
                 return
             time.sleep(POLL_S / 2)
@@ -164,7 +178,7 @@ class SlurmJob(JobHandle):
                 or ran past max_run ("MaxRuntimeExceeded").
         """
         try:
-            self._follow(show=logs not in (False, None, "None"), replay=True)
+            self._follow(show=logs not in (False, None, "None"))
         except KeyboardInterrupt:
             print(self.continue_hint(), file=sys.stderr)
             raise
@@ -182,7 +196,7 @@ class SlurmJob(JobHandle):
 
     def logs(self) -> None:
         """Print every log line so far, then follow until the job ends."""
-        self._follow(show=True, replay=True)
+        self._follow(show=True)
 
     def stop(self) -> None:
         """scancel the job; returns once Slurm has ended it on every node (no process left)."""
@@ -209,12 +223,12 @@ class SlurmJob(JobHandle):
 
     def log_lines(self) -> list[str]:
         self._refresh()
-        self._pump(show=False)
+        self._pump()
         return self._log.lines()
 
     def log_records(self) -> list[tuple[float, str]]:
         self._refresh()
-        self._pump(show=False)
+        self._pump()
         return self._log.records()
 
     def describe(self) -> dict:
