@@ -11,6 +11,8 @@ __all__ = [
     "ImageNotFoundError",
     "DockerUnavailableError",
     "TrainingJobFailedError",
+    "config_error",
+    "shorten",
 ]
 
 
@@ -28,6 +30,17 @@ class ConfigError(SDKError, ValueError):
         super().__init__(message)
         self.key = key
         self.value = value
+
+
+def shorten(value: object, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: errors name a value, they do not echo 4 MB."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def config_error(key: str, value: object, fix: str) -> ConfigError:
+    """`ConfigError("<key>=<value> <fix>")`, the value shortened, key and value attached."""
+    return ConfigError(f"{key}={shorten(value)} {fix}", key=key, value=value)
 
 
 class PackagingError(SDKError):

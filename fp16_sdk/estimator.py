@@ -3,14 +3,17 @@
 Same argument names and defaults as SageMaker's estimator. Everything that can be checked is
 checked at construction and again at the top of `fit()`, before a file is written or a process
 started (`estimator_validation.validate`); every `ConfigError` names the key, the value and
-the fix. `fit()` turns the estimator into a typed `JobSpec` and hands it to the backend chosen
-once from `instance_type` and the session (`backends.base.backend_for`, a table of backends).
+the fix. The arguments are read once into `Settings` (`estimator_settings`); `fit()` resolves
+them into one typed `JobSpec` and hands it to the backend chosen once from `instance_type` and
+the session (`backends.base.backend_for`, a table of backends). Where code, channels and
+outputs live is the chosen row's placement policy (`backends.placement`), never a branch on
+the backend here.
 
 Decisions (where SageMaker leaves room):
 - Script mode only: `entry_point` is required.
-- Local modes (`local_process`, `local`, `local_gpu`) need no role, no AWS account: output_path
-  defaults to `file://<cwd>/fp16_sdk_jobs`, channels and checkpoint URIs are file:// or plain
-  paths, s3:// is refused there. Pipe input mode is refused in local modes.
+- Local modes (`local_process`, `local`, `local_gpu`: placement `LOCAL_FOLDERS`) need no role,
+  no AWS account: output_path defaults to `file://<cwd>/fp16_sdk_jobs`, channels and checkpoint
+  URIs are file:// or plain paths, s3:// is refused there. Pipe input mode is refused there.
 - `sagemaker_region` comes from the session (`boto_region_name`), else AWS_REGION /
   AWS_DEFAULT_REGION, else "us-east-1"; no AWS call is made.
 - `backend_options` (not in SageMaker) is parsed by the chosen backend (`parse_options`),
@@ -22,18 +25,16 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import shutil
-from pathlib import Path
 from typing import Any
 
 from fp16_sdk import estimator_args, estimator_validation
 from fp16_sdk import estimator_job as job
-from fp16_sdk.backends.base import LOCAL_TYPES, JobHandle, backend_for
+from fp16_sdk.backends.base import BackendEntry, JobHandle, backend_entry, backend_for
 from fp16_sdk.errors import ConfigError
+from fp16_sdk.errors import config_error as _fail
+from fp16_sdk.estimator_settings import Settings
 from fp16_sdk.estimator_validation import check_hyperparameter_limits, encode_hyperparameters
-from fp16_sdk.estimator_validation import fail as _fail
 from fp16_sdk.git_source import checkout as git_checkout
-from fp16_sdk.inputs import channels_from_inputs
 
 __all__ = ["Estimator"]
 
@@ -117,7 +118,7 @@ class Estimator:
         self.keep_alive_period_in_seconds = keep_alive_period_in_seconds
         self.model_uri, self.model_channel_name = model_uri, model_channel_name
         self._git_checked_out = False  # True while fit() works inside the clone
-        self._noted_local = False  # the local-mode note is logged once per estimator
+        self._noted_no_effect = False  # the "no effect" note is logged once per estimator
         self.git_config = git_config
         # SageMaker-only arguments: attributes as in SageMaker, checked by estimator_args.
         self.volume_kms_key, self.output_kms_key = volume_kms_key, output_kms_key
@@ -170,9 +171,31 @@ class Estimator:
     # ---- validation --------------------------------------------------------------------
 
     @property
-    def _local(self) -> bool:
-        """Whether the job runs on this machine (a `local` backend of the table)."""
-        return self.instance_type in LOCAL_TYPES
+    def _entry(self) -> BackendEntry:
+        """The backend table's row this job goes to (instance_type must be checked first)."""
+        return backend_entry(self._instance()[0], session=self.sagemaker_session)
+
+    def _settings(self) -> Settings:
+        """The arguments as they are now, read once (the checks and fit() read only this)."""
+        return Settings(
+            instance_type=self.instance_type, instance_count=self.instance_count,
+            instance_groups=self.instance_groups, instance=self._instance(),
+            session=self.sagemaker_session, entry_point=self.entry_point,
+            source_dir=self.source_dir, dependencies=self.dependencies,
+            git_config=self.git_config, git_checked_out=self._git_checked_out,
+            hyperparameters=self._hyperparameters, volume_size=self.volume_size,
+            max_run=self.max_run, max_wait=self.max_wait,
+            keep_alive_period_in_seconds=self.keep_alive_period_in_seconds,
+            container_log_level=self.container_log_level, input_mode=self.input_mode,
+            output_path=self.output_path, code_location=self.code_location,
+            checkpoint_s3_uri=self.checkpoint_s3_uri,
+            checkpoint_local_path=self.checkpoint_local_path, model_uri=self.model_uri,
+            model_channel_name=self.model_channel_name, base_job_name=self.base_job_name,
+            environment=self.environment, metric_definitions=self.metric_definitions,
+            tags=self.tags, subnets=self.subnets, security_group_ids=self.security_group_ids,
+            use_spot_instances=self.use_spot_instances,
+            enable_network_isolation=self._enable_network_isolation, role=self.role,
+            backend_options=self.backend_options, sagemaker=self._sagemaker_args())
 
     def enable_network_isolation(self) -> bool:
         """Whether the job runs without network access (SageMaker's method of the same name)."""
@@ -196,8 +219,18 @@ class Estimator:
         groups = self._sagemaker_args().group_totals()
         return groups if groups is not None else (self.instance_type, self.instance_count)
 
-    def _validate(self) -> None:
-        estimator_validation.validate(self)
+    def _validate(self) -> tuple[Settings, BackendEntry]:
+        """Every check, in order; the arguments read once and the backend row they choose.
+
+        Raises:
+            ConfigError: the first invalid argument (key, value and fix named).
+        """
+        self._sagemaker_options()
+        settings = self._settings()
+        entry = estimator_validation.validate(settings)
+        self._validate_framework()
+        check_hyperparameter_limits(self.hyperparameters())
+        return settings, entry
 
     # ---- hyperparameters and naming ----------------------------------------------------
 
@@ -244,19 +277,23 @@ class Estimator:
             self._fit(inputs, wait, logs, job_name)
 
     def _fit(self, inputs, wait, logs, job_name) -> None:
-        self._validate()
+        settings, entry = self._validate()
         if not isinstance(wait, bool):
             raise _fail("wait", wait, "must be True or False")
         if logs not in (True, False, "All", "None", "Rules"):
             raise _fail("logs", logs, "must be 'All', 'None', True or False")
-        channels = channels_from_inputs(inputs, local=self._local) + job.model_channel(self, inputs)
-        job.note_local_no_effect(self)
-        output_path = job.resolve_output_path(self)
-        name = job.unused_job_name(self, job_name, output_path)
+        placement = entry.placement
+        channels = job.channels(inputs, settings, placement)
+        self._note_no_effect(settings, placement)
+        output_path = placement.resolve_output_path(settings.output_path,
+                                                    session=settings.session)
+        name, folder = job.claim_name(placement, output_path, job_name,
+                                      base=settings.base_job_name or self._default_base_name())
         reserved = encode_hyperparameters({
-            "sagemaker_program": job.program(self),
-            "sagemaker_submit_directory": job.code_uri(self, name, output_path),
-            "sagemaker_container_log_level": self.container_log_level,
+            "sagemaker_program": job.program(settings.entry_point, settings.source_dir),
+            "sagemaker_submit_directory": job.code_uri(name, output_path=output_path,
+                                                       code_location=settings.code_location),
+            "sagemaker_container_log_level": settings.container_log_level,
             "sagemaker_job_name": name,
             "sagemaker_region": self._region(),
         })
@@ -265,20 +302,33 @@ class Estimator:
         try:
             check_hyperparameter_limits(hyperparameters)
         except ConfigError:
-            if self._local:  # the claimed folder is still empty: give the name back
-                shutil.rmtree(Path(output_path[len("file://"):]) / name, ignore_errors=True)
+            folder.release()  # a claimed folder is still empty: give the name back
             raise
-        sourcedir = job.package(self, name, output_path)  # removes the claimed folder on failure
-        spec = job.job_spec(self, name, hyperparameters, sourcedir, channels, output_path)
+        sourcedir = job.package(settings, folder)  # releases the folder on failure
+        spec = job.job_spec(settings, name=name, hyperparameters=hyperparameters,
+                            sourcedir=sourcedir, channels=channels, output_path=output_path,
+                            image_uri=self.training_image_uri(),
+                            processes_per_host=self._processes_per_host(),
+                            sagemaker=self._sagemaker_options())
         self._reserved, self._current_job_name = reserved, name
         try:
-            self.latest_training_job = backend_for(self._instance()[0],
-                                                   session=self.sagemaker_session).submit(spec)
+            self.latest_training_job = backend_for(settings.job_instance_type,
+                                                   session=settings.session).submit(spec)
         finally:
-            if not self._local:  # remote backends upload the package inside submit()
-                shutil.rmtree(Path(sourcedir).parent, ignore_errors=True)
+            if folder.temporary:  # the backend uploaded the package inside submit()
+                folder.release()
         if wait:
             self.latest_training_job.wait(logs=logs)
+
+    def _note_no_effect(self, settings: Settings, placement) -> None:
+        """Log once per estimator the SageMaker-only arguments this placement does not use."""
+        if not placement.notes_no_effect or self._noted_no_effect:
+            return
+        note = placement.no_effect_note(job.no_effect_values(settings),
+                                        instance_type=settings.job_instance_type)
+        if note:
+            logger.info(note)
+        self._noted_no_effect = True
 
     @classmethod
     def attach(cls, training_job_name: str, sagemaker_session: Any = None) -> "Estimator":

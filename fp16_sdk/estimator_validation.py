@@ -1,8 +1,11 @@
 """What the estimator checks before anything is written or started.
 
-`validate(est)` runs every check on an `Estimator` (at construction and again at the top of
-`fit()`); each `ConfigError` names the key, the value and the fix. The limits are
-CreateTrainingJob's. `encode_hyperparameters` is SageMaker's encoding of hyperparameters.
+`validate(settings)` runs every check on an estimator's `Settings` (at construction and again
+at the top of `fit()`) and returns the backend table's row that the job goes to; the location
+rules are that row's placement policy's (`backends.placement`), the rules between fields are
+written once in `backends.rules` (the remote backends apply them to a JobSpec too). Each
+`ConfigError` names the key, the value and the fix. The limits are CreateTrainingJob's.
+`encode_hyperparameters` is SageMaker's encoding of hyperparameters.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk.backends.base import LOCAL_TYPES, backend_entry
+from fp16_sdk.backends.base import (BackendEntry, backend_entry, instance_types,
+                                    session_backends)
+from fp16_sdk.backends.rules import check_spot_wait, check_vpc_pair
 from fp16_sdk.errors import ConfigError
+from fp16_sdk.errors import config_error as fail
+from fp16_sdk.errors import shorten as _shorten
+from fp16_sdk.estimator_settings import Settings
 from fp16_sdk.git_source import check_git_config
 from fp16_sdk.inputs import INPUT_MODES
 
@@ -31,16 +39,6 @@ MAX_HYPERPARAMETERS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
 MAX_ENV, MAX_ENV_KEY, MAX_ENV_VALUE = 100, 512, 512
 MAX_METRICS, MAX_TAGS = 40, 50
 MAX_KEEP_ALIVE = 21600  # ResourceConfig.KeepAlivePeriodInSeconds
-
-
-def fail(key: str, value: Any, fix: str) -> ConfigError:
-    return ConfigError(f"{key}={_shorten(value)} {fix}", key=key, value=value)
-
-
-def _shorten(value: Any, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters: errors name a value, they do not echo 4 MB."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 def _strings_in(value: Any):
@@ -119,67 +117,73 @@ def check_hyperparameter_limits(encoded: dict[str, str]) -> None:
                 f"{MAX_HP_VALUE}: pass it in a file in source_dir instead", key=key, value=value)
 
 
-def validate(est: Any) -> None:
-    """Every check on an `Estimator` (the framework's own through `_validate_framework`).
+def validate(settings: Settings) -> BackendEntry:
+    """Every check on an estimator's arguments (the framework's own are the estimator's).
+
+    Returns:
+        The row of the backend table the job goes to.
 
     Raises:
         ConfigError: the first invalid argument (key, value and fix named).
     """
-    est._sagemaker_options()
-    _resources(est)
-    _code(est)
-    _locations(est)
-    _mappings(est)
-    _vpc_and_flags(est)
-    est._validate_framework()
-    check_hyperparameter_limits(est.hyperparameters())
+    entry = _resources(settings)
+    _code(settings)
+    _locations(settings, entry)
+    _mappings(settings)
+    _vpc_and_flags(settings)
+    return entry
 
 
-def _resources(est: Any) -> None:
-    if est.instance_groups is not None:
-        if est.instance_type is not None or est.instance_count is not None:
-            raise fail("instance_groups", est.instance_groups, "replaces instance_type "
+def _resources(s: Settings) -> BackendEntry:
+    if s.instance_groups is not None:
+        if s.instance_type is not None or s.instance_count is not None:
+            raise fail("instance_groups", s.instance_groups, "replaces instance_type "
                        "and instance_count: set both to None (SageMaker's rule)")
-        entry = backend_entry(None, session=est.sagemaker_session)
+        entry = backend_entry(None, session=s.session)
         if not entry.heterogeneous:
-            raise fail("instance_groups", est.instance_groups, "is a SageMaker "
+            raise fail("instance_groups", s.instance_groups, "is a SageMaker "
                        f"heterogeneous cluster; the {entry.name} backend runs one instance "
                        "type: give instance_type and instance_count")
-        return _limits(est)
-    if est.instance_type is None:
+        _limits(s, entry)
+        return entry
+    if s.instance_type is None:
         raise fail("instance_type", None, "is required: use 'local_process' (this machine), "
                    "'local'/'local_gpu' (Docker) or a SageMaker type such as 'ml.p4d.24xlarge'")
-    if not isinstance(est.instance_type, str) or not (
-            est.instance_type in LOCAL_TYPES or est.instance_type.startswith("ml.")):
-        raise fail("instance_type", est.instance_type, "must be 'local_process', 'local', "
-                   "'local_gpu' or a SageMaker type starting with 'ml.'")
-    if est.instance_count is None:
+    types = instance_types()
+    if not isinstance(s.instance_type, str) or not (
+            s.instance_type in types or (s.instance_type.startswith("ml.")
+                                         and session_backends())):
+        named = ", ".join(repr(t) for t in types)
+        raise fail("instance_type", s.instance_type, f"must be {named} or a SageMaker type "
+                   "starting with 'ml.'")
+    if s.instance_count is None:
         raise fail("instance_count", None, "is required: the number of hosts, e.g. 1")
-    _check_int("instance_count", est.instance_count, minimum=1)
-    _limits(est)
+    _check_int("instance_count", s.instance_count, minimum=1)
+    entry = backend_entry(s.instance_type, session=s.session)
+    _limits(s, entry)
+    return entry
 
 
-def _limits(est: Any) -> None:
-    _check_int("volume_size", est.volume_size, minimum=1)
-    _check_int("max_run", est.max_run, minimum=1)
-    _check_int("max_wait", est.max_wait, minimum=1, optional=True)
-    _check_int("keep_alive_period_in_seconds", est.keep_alive_period_in_seconds,
+def _limits(s: Settings, entry: BackendEntry) -> None:
+    _check_int("volume_size", s.volume_size, minimum=1)
+    _check_int("max_run", s.max_run, minimum=1)
+    _check_int("max_wait", s.max_wait, minimum=1, optional=True)
+    _check_int("keep_alive_period_in_seconds", s.keep_alive_period_in_seconds,
                minimum=0, maximum=MAX_KEEP_ALIVE, optional=True)
-    if isinstance(est.container_log_level, bool) or not isinstance(est.container_log_level, int):
-        raise fail("container_log_level", est.container_log_level,
+    if isinstance(s.container_log_level, bool) or not isinstance(s.container_log_level, int):
+        raise fail("container_log_level", s.container_log_level,
                    "must be a logging level number such as logging.INFO (20)")
-    if est.input_mode not in INPUT_MODES:
-        raise fail("input_mode", est.input_mode, f"must be one of {', '.join(INPUT_MODES)}")
-    if est._local and est.input_mode == "Pipe":
-        raise fail("input_mode", "Pipe", "is not available in local modes; use 'File'")
+    if s.input_mode not in INPUT_MODES:
+        raise fail("input_mode", s.input_mode, f"must be one of {', '.join(INPUT_MODES)}")
+    entry.placement.check_input_mode(s.input_mode, instance_type=s.job_instance_type)
 
 
-def _code(est: Any) -> None:
-    if est.git_config is not None:
-        check_git_config(est.git_config)
-        if not est._git_checked_out:
+def _code(s: Settings) -> None:
+    if s.git_config is not None:
+        check_git_config(s.git_config)
+        if not s.git_checked_out:
             return  # the code paths are read inside the clone, at fit() (git_source.py)
-    ep = est.entry_point
+    ep = s.entry_point
     if ep is None:
         raise fail("entry_point", None, "is required: the path of your training script")
     if not isinstance(ep, (str, os.PathLike)):
@@ -188,8 +192,8 @@ def _code(est: Any) -> None:
     if ep.startswith("s3://"):
         raise fail("entry_point", ep, "must be a path to a local file (s3:// is not "
                    "supported); download the script and pass its path")
-    if est.source_dir is not None:
-        src = os.fspath(est.source_dir)
+    if s.source_dir is not None:
+        src = os.fspath(s.source_dir)
         if src.startswith("s3://"):
             raise fail("source_dir", src, "must be a local folder (s3:// is not supported)")
         if not Path(src).is_dir():
@@ -199,54 +203,38 @@ def _code(est: Any) -> None:
                        "relative to source_dir")
     elif not Path(ep).is_file():
         raise fail("entry_point", ep, "does not exist or is not a file; give the script's path")
-    if not isinstance(est.dependencies, list):
-        raise fail("dependencies", est.dependencies, "must be a list of local paths")
-    for dep in est.dependencies:
+    if not isinstance(s.dependencies, list):
+        raise fail("dependencies", s.dependencies, "must be a list of local paths")
+    for dep in s.dependencies:
         if not isinstance(dep, (str, os.PathLike)) or not Path(dep).exists():
             raise fail("dependencies", dep, "must be an existing local file or folder")
 
 
-def _check_uri(est: Any, key: str, value: Any, *, remote_only_s3: bool = True) -> None:
-    if value is None:
-        return
-    if not isinstance(value, str) or not value:
-        raise fail(key, value, "must be a URI string")
-    if est._local:
-        if value.startswith("s3://"):
-            raise fail(key, value, "local modes use no AWS account: give a file:// URI "
-                       "or a local path")
-    elif value.startswith("file://") or not value.startswith("s3://"):
-        raise fail(key, value, f"must be an s3:// URI for instance_type {est.instance_type!r}"
-                   " (file:// works only in local modes)")
-
-
-def _locations(est: Any) -> None:
-    _check_uri(est, "output_path", est.output_path)
-    _check_uri(est, "code_location", est.code_location)
-    _check_uri(est, "checkpoint_s3_uri", est.checkpoint_s3_uri)
-    _check_uri(est, "model_uri", est.model_uri)
-    if not isinstance(est.model_channel_name, str) or not est.model_channel_name:
-        raise fail("model_channel_name", est.model_channel_name, "must be a channel name "
+def _locations(s: Settings, entry: BackendEntry) -> None:
+    for key in ("output_path", "code_location", "checkpoint_s3_uri", "model_uri"):
+        entry.placement.check_location(key, getattr(s, key), instance_type=s.job_instance_type)
+    if not isinstance(s.model_channel_name, str) or not s.model_channel_name:
+        raise fail("model_channel_name", s.model_channel_name, "must be a channel name "
                    "such as 'model'")
-    cpl = est.checkpoint_local_path
+    cpl = s.checkpoint_local_path
     if cpl is not None and (not isinstance(cpl, str) or not cpl.startswith("/")):
         raise fail("checkpoint_local_path", cpl, "must be an absolute path such as "
                    "'/opt/ml/checkpoints'")
-    if est.base_job_name is not None and (not isinstance(est.base_job_name, str)
-                                           or not _JOB_NAME.fullmatch(est.base_job_name)):
-        raise fail("base_job_name", est.base_job_name, "must match "
+    if s.base_job_name is not None and (not isinstance(s.base_job_name, str)
+                                         or not _JOB_NAME.fullmatch(s.base_job_name)):
+        raise fail("base_job_name", s.base_job_name, "must match "
                    f"{JOB_NAME_PATTERN} (letters, digits, single hyphens inside)")
 
 
-def _mappings(est: Any) -> None:
-    if not isinstance(est._hyperparameters, dict):
-        raise fail("hyperparameters", est._hyperparameters, "must be a dict name -> value")
-    for key, value, kind in (("environment", est.environment, dict),
-                             ("metric_definitions", est.metric_definitions, list),
-                             ("tags", est.tags, list)):
+def _mappings(s: Settings) -> None:
+    if not isinstance(s.hyperparameters, dict):
+        raise fail("hyperparameters", s.hyperparameters, "must be a dict name -> value")
+    for key, value, kind in (("environment", s.environment, dict),
+                             ("metric_definitions", s.metric_definitions, list),
+                             ("tags", s.tags, list)):
         if not isinstance(value, kind):
             raise fail(key, value, f"must be a {kind.__name__}")
-    env = est.environment
+    env = s.environment
     if len(env) > MAX_ENV:
         raise fail("environment", f"{len(env)} entries", f"exceeds the limit of {MAX_ENV}")
     for key, value in env.items():
@@ -258,19 +246,19 @@ def _mappings(est: Any) -> None:
             raise ConfigError(f"environment[{key!r}]={shown} must be a string of at most "
                               f"{MAX_ENV_VALUE} chars (write str(...) or shorten it)",
                               key=key, value=shown)
-    _metric_definitions(est)
-    if len(est.tags) > MAX_TAGS or not all(
-            isinstance(t, dict) and set(t) == {"Key", "Value"} for t in est.tags):
-        raise fail("tags", est.tags, "must be a list of at most 50 "
+    _metric_definitions(s)
+    if len(s.tags) > MAX_TAGS or not all(
+            isinstance(t, dict) and set(t) == {"Key", "Value"} for t in s.tags):
+        raise fail("tags", s.tags, "must be a list of at most 50 "
                    "{'Key': ..., 'Value': ...} dicts")
 
 
-def _metric_definitions(est: Any) -> None:
+def _metric_definitions(s: Settings) -> None:
     names = set()
-    if len(est.metric_definitions) > MAX_METRICS:
-        raise fail("metric_definitions", len(est.metric_definitions),
+    if len(s.metric_definitions) > MAX_METRICS:
+        raise fail("metric_definitions", len(s.metric_definitions),
                    f"entries exceed SageMaker's limit of {MAX_METRICS}")
-    for md in est.metric_definitions:
+    for md in s.metric_definitions:
         if not isinstance(md, dict) or set(md) != {"Name", "Regex"} or \
                 not all(isinstance(v, str) and v for v in md.values()):
             raise fail("metric_definitions", md, "entries must be {'Name': str, 'Regex': str}")
@@ -283,27 +271,18 @@ def _metric_definitions(est: Any) -> None:
         names.add(md["Name"])
 
 
-def _vpc_and_flags(est: Any) -> None:
-    _check_str_list("subnets", est.subnets)
-    _check_str_list("security_group_ids", est.security_group_ids)
-    if (est.subnets is None) != (est.security_group_ids is None):
-        given, missing = ("subnets", "security_group_ids") if est.subnets is not None \
-            else ("security_group_ids", "subnets")
-        raise fail(missing, None, f"is required when {given} is given: pass both or neither")
-    for key, value in (("use_spot_instances", est.use_spot_instances),
-                       ("enable_network_isolation", est._enable_network_isolation)):
+def _vpc_and_flags(s: Settings) -> None:
+    _check_str_list("subnets", s.subnets)
+    _check_str_list("security_group_ids", s.security_group_ids)
+    check_vpc_pair(subnets=s.subnets, security_group_ids=s.security_group_ids)
+    for key, value in (("use_spot_instances", s.use_spot_instances),
+                       ("enable_network_isolation", s.enable_network_isolation)):
         if not isinstance(value, bool):
             raise fail(key, value, "must be True or False")
-    if est.use_spot_instances and (est.max_wait is None or est.max_wait < est.max_run):
-        raise fail("max_wait", est.max_wait, f"must be >= max_run ({est.max_run}) when "
-                   "use_spot_instances=True; set max_wait")
-    if not est.use_spot_instances and est.max_wait is not None:
-        raise fail("max_wait", est.max_wait, "is only used with use_spot_instances=True; "
-                   "set use_spot_instances=True or drop max_wait")
-    if not isinstance(est.backend_options, dict):
-        raise fail("backend_options", est.backend_options, "must be a dict")
+    check_spot_wait(use_spot_instances=s.use_spot_instances, max_wait=s.max_wait,
+                    max_run=s.max_run)
+    if not isinstance(s.backend_options, dict):
+        raise fail("backend_options", s.backend_options, "must be a dict")
     # Each backend parses its own options; the class is imported here, before fit() starts.
-    instance_type = est._instance()[0]
-    backend_entry(instance_type, session=est.sagemaker_session).load().parse_options(
-        est.backend_options)
-
+    backend_entry(s.job_instance_type, session=s.session).load().parse_options(
+        s.backend_options)

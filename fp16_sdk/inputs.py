@@ -1,16 +1,20 @@
 """`TrainingInput`: one input channel, shaped like `sagemaker.inputs.TrainingInput`.
 
 The estimator turns every channel (a URI string or a `TrainingInput`) into a
-`backends.base.Channel`; values are checked here, where the user made them.
+`backends.base.Channel`; values are checked here, where the user made them, and the URI by the
+chosen backend row's placement policy (`Placement.check_channel`).
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fp16_sdk.backends.base import Channel
 from fp16_sdk.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fp16_sdk.backends.placement import Placement
 
 __all__ = ["TrainingInput", "channels_from_inputs", "DISTRIBUTIONS", "S3_DATA_TYPES", "INPUT_MODES",
            "data_source_config"]
@@ -90,21 +94,23 @@ class TrainingInput:
 _CHANNEL_NAME = re.compile(r"[A-Za-z0-9.\-_]{1,64}")  # fullmatch: `$` accepts a final "\n"
 
 
-def channels_from_inputs(inputs, *, local: bool) -> tuple[Channel, ...]:
+def channels_from_inputs(inputs, *, placement: "Placement",
+                         instance_type: str) -> tuple[Channel, ...]:
     """Turn fit()'s `inputs` into validated channels.
 
     Args:
         inputs: None; a URI string (channel "training"); a `TrainingInput` (channel
             "training"); or a dict channel name -> URI string or `TrainingInput`.
-        local: whether the job runs in a local mode (file:// allowed, s3:// refused: local
-            modes use no AWS account).
+        placement: the chosen backend row's placement policy: which URIs it reads
+            (`Placement.check_channel`: file:// on this machine or a shared filesystem, s3://).
+        instance_type: the job's instance type, as errors name it.
 
     Returns:
         The channels in the order given.
 
     Raises:
         ConfigError: bad shape, bad channel name, two names that map to the same
-            SM_CHANNEL_<NAME> variable, a URI scheme not allowed here, a missing local path.
+            SM_CHANNEL_<NAME> variable, a URI the placement cannot read, a missing path.
     """
     if inputs is None:
         return ()
@@ -128,34 +134,20 @@ def channels_from_inputs(inputs, *, local: bool) -> tuple[Channel, ...]:
                 f"inputs channels {seen[env_name]!r} and {name!r} are duplicates: both become "
                 f"SM_CHANNEL_{env_name}; rename one", key="inputs", value=name)
         seen[env_name] = name
-        channels.append(_channel(name, source, local=local))
+        channel = _channel(name, source)
+        placement.check_channel(name, channel.uri, instance_type=instance_type)
+        channels.append(channel)
     return tuple(channels)
 
 
-def _channel(name: str, source, *, local: bool) -> Channel:
+def _channel(name: str, source) -> Channel:
     if isinstance(source, str):
         source = TrainingInput(source) if source.startswith(("s3://", "file://")) else source
     if not isinstance(source, TrainingInput):
         raise ConfigError(
             f"inputs[{name!r}]={source!r} must be an s3:// or file:// URI or a TrainingInput "
             f"(for a local folder write 'file:///abs/path')", key="inputs", value=source)
-    uri = source.s3_data
-    if uri.startswith("file://"):
-        if not local:
-            raise ConfigError(
-                f"inputs[{name!r}]={uri!r}: file:// channels work only with instance_type "
-                "'local_process', 'local' or 'local_gpu'; upload the data to S3 for remote jobs",
-                key="inputs", value=uri)
-        path = Path(uri[len("file://"):])
-        if not path.is_absolute() or not path.exists():
-            raise ConfigError(
-                f"inputs[{name!r}]={uri!r}: the path must be absolute and exist "
-                "(e.g. 'file:///home/me/data/train')", key="inputs", value=uri)
-    elif local:
-        raise ConfigError(
-            f"inputs[{name!r}]={uri!r}: local modes read channels from this machine and need no "
-            "AWS account; download the data and pass 'file:///abs/path'", key="inputs", value=uri)
-    return Channel(name=name, uri=uri, distribution=source.distribution,
+    return Channel(name=name, uri=source.s3_data, distribution=source.distribution,
                    content_type=source.content_type, compression=source.compression,
                    record_wrapping=source.record_wrapping, s3_data_type=source.s3_data_type,
                    input_mode=source.input_mode)

@@ -25,6 +25,7 @@ import re
 import sys
 from typing import Any
 
+from fp16_sdk.backends.rules import require_image
 from fp16_sdk.config import DistributionConfig
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator import Estimator
@@ -161,12 +162,8 @@ class PyTorch(Estimator):
         if self.image_uri is not None and (not isinstance(self.image_uri, str) or not self.image_uri):
             raise ConfigError(f"image_uri={self.image_uri!r} must be an image name or URI",
                               key="image_uri", value=self.image_uri)
-        if self.image_uri is None and not self._local:
-            raise ConfigError(
-                f"image_uri=None with instance_type={self.instance_type!r}: SageMaker jobs need "
-                "the fp16_sdk training image in ECR; push it (see fp16_sdk.image) and pass "
-                "image_uri='<account>.dkr.ecr.<region>.amazonaws.com/fp16-sdk-training:<tag>'",
-                key="image_uri")
+        if self._entry.needs_image:
+            require_image(self.image_uri, instance_type=self.instance_type)
         self._distribution_config = (
             None if self.distribution is None else DistributionConfig.parse(
                 self.distribution, instance_count=self._instance()[1],

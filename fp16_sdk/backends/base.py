@@ -1,14 +1,40 @@
-"""The one small interface every backend implements, and the table of backends.
+"""The one small interface every backend implements, and the table of backends (the seam).
 
-The estimator turns its arguments into a typed `JobSpec` (everything a backend needs, already
-validated), picks the backend once from `instance_type` and the session (`backend_for`, which
-reads `BACKENDS`), and gets back a `JobHandle`. Backends never see the estimator.
+The estimator reads its arguments once, checks them, and resolves them into one frozen, typed
+`JobSpec` (everything a backend needs, already validated); it picks the backend once from
+`instance_type` and the session (`backend_entry` / `backend_for`, which read `BACKENDS`), and
+gets back a `JobHandle`. Backends never see the estimator.
 
-`BACKENDS` maps a name to the class's import path, imported only when chosen (so a
-local_process job never imports docker). Local instance types choose their backend directly;
-an "ml.*" type goes where the session says (`Session.backend_name`: "sagemaker", "ec2"). Each
-backend parses its own `backend_options` (`Backend.parse_options`): a key it does not know is
-an error naming the key, the value and the keys it does know.
+Each row of `BACKENDS` (a `BackendEntry`) says:
+- `target`: the class's import path, imported only when chosen (a local_process job never
+  imports docker);
+- `instance_types`: the types that choose it; a row with none is chosen by the session for
+  "ml.*" types (`Session.backend_name`: "sagemaker", "ec2");
+- `placement`: where code, channels and outputs live (`backends.placement`): `LOCAL_FOLDERS`,
+  `SHARED_FILESYSTEM` or `S3_STORAGE`. The estimator asks this policy, never the backend's
+  name: which URIs it accepts for output_path, code_location, checkpoint_s3_uri, model_uri and
+  channels, the default output_path, where the code is packaged (the claimed job folder
+  `<output_path>/<job>/source/`, or a temporary folder for a backend that uploads it), what
+  to remove when fit() fails, whether Pipe mode works, and whether SageMaker-only arguments
+  are noted as having no effect;
+- `needs_image` (the user must name an image), `heterogeneous` (accepts instance_groups).
+Each backend parses its own `backend_options` (`Backend.parse_options`): a key it does not know
+is an error naming the key, the value and the keys it does know.
+
+A new backend plugs in as one module and one row, with no estimator change:
+```
+# fp16_sdk/backends/mine.py
+class MineBackend(Backend):
+    NAME = "mine"
+    OPTIONS = {"partition": "where the job runs"}
+    def submit(self, spec: JobSpec) -> JobHandle:
+        SHARED_FILESYSTEM.check_request(spec)   # the placement's rules on a hand-built spec
+        ...                                      # <output_path>/<job>/ holds source/, hosts/
+# here, in BACKENDS:
+BackendEntry("mine", "fp16_sdk.backends.mine:MineBackend", placement=SHARED_FILESYSTEM,
+             instance_types=("mine",)),
+```
+`tests/test_backend_seam.py` registers such a backend from a test and runs `fit()` through it.
 """
 
 from __future__ import annotations
@@ -20,11 +46,17 @@ import importlib
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from fp16_sdk.backends.placement import (LOCAL_FOLDERS, S3_STORAGE, SHARED_FILESYSTEM,
+                                         JobFolder, LocalFolders, Placement, S3Storage,
+                                         SharedFilesystem)
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator_args import SageMakerOptions
 
 __all__ = ["Channel", "JobSpec", "JobStatus", "JobHandle", "Backend", "BackendEntry", "BACKENDS",
-           "backend_entry", "backend_for", "refuse_unknown_options", "LOCAL_TYPES"]
+           "backend_entry", "backend_for", "refuse_unknown_options", "LOCAL_TYPES",
+           "instance_types", "session_backends", "Placement", "LocalFolders",
+           "SharedFilesystem", "S3Storage", "JobFolder", "LOCAL_FOLDERS", "SHARED_FILESYSTEM",
+           "S3_STORAGE"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,20 +256,23 @@ class Backend(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class BackendEntry:
-    """One row of `BACKENDS`.
+    """One row of `BACKENDS` (see the module docstring).
 
     Attributes:
+        name: the row's key (what `Session.backend_name` names for session-chosen rows).
         target: "module:Class", imported when the backend is chosen.
-        local: runs on this machine: file:// URIs, the job folder under output_path.
-        instance_types: the instance types that choose it (remote backends: none, the
-            session chooses them for "ml.*" types).
+        placement: where code, channels and outputs live (`backends.placement`).
+        instance_types: the instance types that choose it; none: the session chooses it for
+            "ml.*" types.
+        needs_image: the job runs in an image the user must name (`image_uri`).
         heterogeneous: accepts SageMaker's instance_groups.
     """
 
     name: str
     target: str
-    local: bool
+    placement: Placement
     instance_types: tuple[str, ...] = ()
+    needs_image: bool = False
     heterogeneous: bool = False
 
     def load(self) -> type[Backend]:
@@ -247,14 +282,27 @@ class BackendEntry:
 
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("local_process", "fp16_sdk.backends.local_process:LocalProcessBackend",
-                 local=True, instance_types=("local_process",)),
+                 placement=LOCAL_FOLDERS, instance_types=("local_process",)),
     BackendEntry("local_docker", "fp16_sdk.backends.local_docker:LocalDockerBackend",
-                 local=True, instance_types=("local", "local_gpu")),
-    BackendEntry("sagemaker", "fp16_sdk.backends.sagemaker:SageMakerBackend", local=False,
-                 heterogeneous=True),
-    BackendEntry("ec2", "fp16_sdk.backends.ec2:EC2Backend", local=False),
+                 placement=LOCAL_FOLDERS, instance_types=("local", "local_gpu")),
+    BackendEntry("sagemaker", "fp16_sdk.backends.sagemaker:SageMakerBackend",
+                 placement=S3_STORAGE, needs_image=True, heterogeneous=True),
+    BackendEntry("ec2", "fp16_sdk.backends.ec2:EC2Backend", placement=S3_STORAGE,
+                 needs_image=True),
 )}
-LOCAL_TYPES = tuple(t for e in BACKENDS.values() if e.local for t in e.instance_types)
+# The types whose jobs stay on this machine, as the table stands at import.
+LOCAL_TYPES = tuple(t for e in BACKENDS.values() if isinstance(e.placement, LocalFolders)
+                    for t in e.instance_types)
+
+
+def instance_types() -> tuple[str, ...]:
+    """Every instance type a row of the table names, in table order (read at each call)."""
+    return tuple(t for e in BACKENDS.values() for t in e.instance_types)
+
+
+def session_backends() -> tuple[str, ...]:
+    """The rows the session chooses for "ml.*" types (those naming no instance type)."""
+    return tuple(n for n, e in BACKENDS.items() if not e.instance_types)
 
 
 def backend_entry(instance_type: str | None, *, session: Any = None) -> BackendEntry:
@@ -270,7 +318,7 @@ def backend_entry(instance_type: str | None, *, session: Any = None) -> BackendE
         if instance_type in entry.instance_types:
             return entry
     name = getattr(session, "backend_name", "sagemaker")
-    remote = [n for n, e in BACKENDS.items() if not e.local]
+    remote = session_backends()
     if name not in remote:
         raise ConfigError(f"sagemaker_session.backend_name={name!r} names no remote backend; "
                           f"the remote backends are: {', '.join(remote)}",

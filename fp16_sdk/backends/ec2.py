@@ -29,9 +29,10 @@ from .. import contract
 from ..errors import BackendError, ConfigError
 from ..extraction import relative_parts
 from ..session import EC2Session, parse_s3_uri
-from .base import Backend, JobSpec, refuse_unknown_options
+from .base import BACKENDS, Backend, JobSpec, refuse_unknown_options
 from .ec2_job import EC2Job
-from .sagemaker import check_remote_spec, code_uri
+from .rules import check_remote_request
+from .sagemaker import code_uri
 
 __all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest", "env_table"]
 
@@ -164,7 +165,7 @@ class EC2Backend(Backend):
         settings = self.session.ec2
         image = spec.image_uri or settings.image_uri
         spec = _with_image(spec, image)
-        check_remote_spec(spec)
+        check_remote_request(spec, BACKENDS["ec2"])
         _check_ec2_spec(spec)
         self.parse_options(spec.backend_options)
         region = self.session.boto_region_name

@@ -18,8 +18,9 @@ from .. import contract
 from ..errors import BackendError, ConfigError, TrainingJobFailedError
 from ..inputs import data_source_config
 from ..session import Session, parse_s3_uri
-from .base import Backend, JobHandle, JobSpec, JobStatus
+from .base import BACKENDS, Backend, JobHandle, JobSpec, JobStatus
 from .cloudwatch import LogTailer
+from .rules import check_remote_request
 
 __all__ = ["SageMakerBackend", "SageMakerJob", "build_training_request", "code_uri"]
 
@@ -35,42 +36,6 @@ def code_uri(spec: JobSpec, session: Session) -> str:
     return contract.code_uri(spec.job_name, output_path=spec.output_path or "",
                              code_location=spec.code_location,
                              default_bucket=None if has_bucket else session.default_bucket())
-
-
-def check_remote_spec(spec: JobSpec) -> None:
-    """What every remote backend refuses before touching AWS.
-
-    Raises:
-        ConfigError: naming the bad key, its value and the fix.
-    """
-    if not spec.image_uri:
-        raise ConfigError("image_uri is required for remote jobs: pass image_uri='<account>.dkr."
-                          "ecr.<region>.amazonaws.com/<repo>:<tag>'", key="image_uri", value=None)
-    for channel in spec.channels:
-        if not channel.uri.startswith("s3://"):
-            raise ConfigError(
-                f"input channel {channel.name!r} is {channel.uri!r}: remote jobs read only s3:// "
-                f"inputs; upload the data (aws s3 sync <dir> s3://<bucket>/<prefix>) and pass "
-                f"that URI, or use instance_type='local'", key=f"inputs[{channel.name}]",
-                value=channel.uri)
-    for key in ("output_path", "code_location", "checkpoint_s3_uri"):
-        value = getattr(spec, key)
-        if value and not value.startswith("s3://"):
-            raise ConfigError(f"{key} ({value!r}) must be an s3:// URI for remote jobs",
-                              key=key, value=value)
-    if spec.use_spot_instances and not spec.max_wait:
-        raise ConfigError("use_spot_instances=True needs max_wait (seconds, >= max_run): pass "
-                          f"max_wait={spec.max_run}", key="max_wait", value=None)
-    if spec.max_wait and not spec.use_spot_instances:
-        raise ConfigError(f"max_wait ({spec.max_wait}) only applies to spot training: set "
-                          "use_spot_instances=True or drop max_wait", key="max_wait",
-                          value=spec.max_wait)
-    if spec.max_wait and spec.max_wait < spec.max_run:
-        raise ConfigError(f"max_wait ({spec.max_wait}) must be >= max_run ({spec.max_run})",
-                          key="max_wait", value=spec.max_wait)
-    if bool(spec.subnets) != bool(spec.security_group_ids):
-        raise ConfigError("subnets and security_group_ids go together: pass both or neither",
-                          key="subnets", value=spec.subnets)
 
 
 def _channel(channel: Any) -> dict:
@@ -232,7 +197,7 @@ class SageMakerBackend(Backend):
         """
         from botocore.exceptions import ClientError
 
-        check_remote_spec(spec)
+        check_remote_request(spec, BACKENDS["sagemaker"])
         self.parse_options(spec.backend_options)
         if not spec.role:
             raise ConfigError("role is required for SageMaker jobs: pass role='arn:aws:iam::"
