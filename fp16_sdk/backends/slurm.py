@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends import slurm_script as script
-from fp16_sdk.backends.base import Backend, Channel, JobSpec
+from fp16_sdk.backends.base import SHARED_FILESYSTEM, Backend, Channel, JobSpec
 from fp16_sdk.backends.slurm_job import SlurmJob, read_record
 from fp16_sdk.backends.slurm_options import OPTIONS, SlurmOptions
 from fp16_sdk.backends.slurm_status import SlurmCli
@@ -170,6 +170,7 @@ class SlurmBackend(Backend):
             BackendError: a Slurm command failed (its argv and Slurm's words in the message).
         """
         options = SlurmOptions.parse(spec.backend_options)
+        SHARED_FILESYSTEM.check_request(spec)  # the table row's rules, for hand-built specs too
         self._check_output_path(spec)  # first: the shared paths start from it
         files = script.JobFiles(lc.job_dir(spec))
         shared = (files.root.parent, *options.shared_paths)
