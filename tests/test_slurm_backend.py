@@ -52,7 +52,8 @@ def _estimator(cluster, shared: Path, entry: str, *, instance_type: str = "slurm
     slurm = instance_type == "slurm"
     return PyTorch(entry, source_dir=str(SCRIPTS), framework_version="2.13", py_version="py311",
                    instance_type=instance_type, instance_count=kw.pop("instance_count", 2),
-                   output_path=f"file://{shared / ('jobs' if slurm else 'local')}",
+                   output_path=kw.pop("output_path",
+                                      f"file://{shared / ('jobs' if slurm else 'local')}"),
                    backend_options=({"submit_command": cluster.docker_submit_command,
                                      **(options or {})} if slurm else {}), **kw)
 
@@ -147,12 +148,13 @@ def test_stop_ends_stopped_with_no_process_left_on_any_node(slurm_cluster, share
             line[:len("algo-1 | tick 1")] for line in job.log_lines()}:
         assert time.monotonic() < deadline and job.status is JobStatus.IN_PROGRESS
         time.sleep(0.2)
-    assert _on_nodes(slurm_cluster, "slurm_probe.py")  # the check below can see them
+    mine = "slurm_probe.py --tick_s 0.3"  # the overtime job runs too: tick_s 0.5
+    assert _on_nodes(slurm_cluster, mine)  # the check below can see them
     job.stop()
     assert job.status is JobStatus.STOPPED
     assert job.describe()["SlurmJobState"] == "CANCELLED"
-    assert _on_nodes(slurm_cluster, "slurm_probe.py") == []
-    assert _on_nodes(slurm_cluster, "/train") == [] and _on_nodes(slurm_cluster, "slurmstepd") == []
+    assert _on_nodes(slurm_cluster, mine) == []
+    assert not [p for p in _on_nodes(slurm_cluster, f"slurm/{job.name}/") if "grep" not in p]
     # metric_definitions read the "algo-N | " lines as in every backend
     table = job.metrics()
     assert {"algo-1", "algo-2"} <= set(table["host"]) and {1.0, 0.5} <= set(table["value"])
