@@ -218,10 +218,16 @@ status() {
     return 1
 }
 
+lock() {  # one build/up/down of this cluster at a time (two test sessions may start together)
+    mkdir -p "$dir"
+    exec 9>"$dir/.lock"
+    flock -w 600 9 || die "another .ci/slurm-cluster.sh held $dir/.lock for 600 s"
+}
+
 case "${1:-}" in
-    build) ensure_ssh_client; build ;;
-    up) up ;;
-    down) start=$SECONDS; down; say "cluster $name removed in $((SECONDS - start)) s" ;;
+    build) lock; ensure_ssh_client; build ;;
+    up) lock; up ;;
+    down) lock; start=$SECONDS; down; say "cluster $name removed in $((SECONDS - start)) s" ;;
     status) status ;;
     *) sed -n '2,28p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
 esac

@@ -12,8 +12,11 @@ fp16_sdk/, or run in or from the session's temporary folder (a test that builds 
 from scratch loses the marker). A process that merely has the checkout as its working directory
 (a developer's shell) is not counted. Not counted: multiprocessing's resource tracker and forkserver, which
 exit when this process does (they watch a pipe from it). Containers and networks: the ones
-labelled `fp16_sdk.job` that were not there at the start (one test session per Docker engine,
-as in CI; without a reachable engine that part is skipped, the Docker tests say why).
+labelled `fp16_sdk.job`, and those of the test Slurm cluster this session addresses (labelled
+`fp16_sdk.slurm=<FP16_SDK_SLURM_NAME>`, see .ci/slurm-cluster.sh), that were not there at the
+start (one test session per Docker engine, as in CI; without a reachable engine that part is
+skipped, the Docker tests say why). The slurm_cluster fixture removes a cluster it started
+before this check runs, so one found here means that teardown did not happen.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ LEAK_WAIT_S = 10.0  # the issue's promptness bound: a job's processes are gone w
 _REPO = Path(__file__).resolve().parent.parent
 _BOUND_TO_US = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _LABEL = "fp16_sdk.job"
+# The test Slurm cluster's label and default name, as in .ci/slurm-cluster.sh: only the cluster
+# this session can start counts (another name on the same engine is someone else's).
+_SLURM_LABEL = f"fp16_sdk.slurm={os.environ.get('FP16_SDK_SLURM_NAME') or 'fp16-slurm'}"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -80,10 +86,14 @@ def _docker_client():
 
 
 def _docker_resources(client) -> dict[str, tuple[str, object]]:
-    """id -> (kind, resource) for every container and network carrying the project's label."""
-    found = {c.id: ("container", c)
-             for c in client.containers.list(all=True, filters={"label": _LABEL})}
-    found.update({n.id: ("network", n) for n in client.networks.list(filters={"label": _LABEL})})
+    """id -> (kind, resource) for every container and network carrying a job's label or this
+    session's Slurm cluster label."""
+    found = {}
+    for label in (_LABEL, _SLURM_LABEL):
+        found.update({c.id: ("container", c)
+                      for c in client.containers.list(all=True, filters={"label": label})})
+        found.update({n.id: ("network", n)
+                      for n in client.networks.list(filters={"label": label})})
     return found
 
 

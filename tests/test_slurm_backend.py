@@ -189,8 +189,8 @@ def test_requeued_job_resumes_from_its_newest_checkpoint(slurm_cluster, shared):
         time.sleep(0.3)
     assert (store / "newest").read_text().split() == ["step2_partial"]
     _scontrol(slurm_cluster, "requeue", job.job_id)
-    # A requeued job waits out the credential lifetime (120 s) before it may start again;
-    # once it is pending again, the test lets it start at once.
+    # A requeued job waits out the credential lifetime (cred_expire: 120 s by default, 10 s on
+    # the test cluster) before it may start again; once it is pending, the test starts it now.
     while "JobState=PENDING" not in _scontrol(slurm_cluster, "show", "job", "-o", job.job_id):
         assert time.monotonic() < deadline
         time.sleep(0.3)

@@ -52,7 +52,9 @@ def test_two_node_job_writes_each_hostname_into_the_shared_folder(slurm_cluster)
         assert sbatch.returncode == 0, sbatch.stderr
         job_id = sbatch.stdout.strip().split(";")[0]
         state = _wait_final(slurm_cluster, job_id)
-        assert state == "COMPLETED", (state, (folder / "job.out").read_text())
+        log = folder / "job.out"
+        assert state == "COMPLETED", (state, log.read_text() if log.exists() else
+                                      f"no {log}: is the folder mounted on the nodes?")
         written = {p.stem: p.read_text().strip() for p in folder.glob("*.txt")}
         assert written == {node: node for node in slurm_cluster.nodes}
     finally:

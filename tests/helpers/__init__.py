@@ -19,6 +19,8 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
 - `pipeline_data`: a tiny Hugging Face GPT-2 (`tiny_gpt2`) and the pp=2 tests' batches.
 - `files`: `load_module(path)`, a script or tool file loaded as a module.
 - `ac_nets`: the activation-checkpointing tests' `Net` of `Block`s (`Block.calls` counts).
+- `slurm_cluster`: the real Slurm cluster in containers (.ci/slurm-cluster.sh), the session
+  fixture `slurm_cluster` -> `SlurmCluster` (controller, nodes, shared folder, submit commands).
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
 
 No test module imports another (tests/test_import_boundaries.py checks it): what two test

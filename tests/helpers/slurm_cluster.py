@@ -30,16 +30,10 @@ from fp16_sdk import image as images
 from fp16_sdk.errors import DockerUnavailableError
 from helpers.docker_engine import IMAGE, unavailable
 
-__all__ = ["SCRIPT", "SlurmCluster", "slurm_cluster", "cluster_name"]
+__all__ = ["SCRIPT", "SlurmCluster", "slurm_cluster"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "slurm-cluster.sh"
-LABEL = "fp16_sdk.slurm"  # every container and network of a cluster: fp16_sdk.slurm=<name>
 _UP_TIMEOUT_S = 600  # a first `up` builds the node image (tens of seconds; apt inside)
-
-
-def cluster_name() -> str:
-    """The cluster this process's script calls would address (FP16_SDK_SLURM_NAME)."""
-    return os.environ.get("FP16_SDK_SLURM_NAME") or "fp16-slurm"
 
 
 @dataclass(frozen=True)
