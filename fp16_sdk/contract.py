@@ -32,7 +32,7 @@ __all__ = [
     "SOURCEDIR_NAME", "FAILURE_REASON_LIMIT", "SAGEMAKER_KEYS", "DISTRIBUTION_FLAGS",
     "JOB_NAME_VAR", "HOST_ADDRESSES_VAR", "MASTER_PORT_VAR", "LIFELINE_FD_VAR",
     "STOP_GRACE_VAR", "FAILURE_EXIT_CODE", "FAILURE_AT", "FAILURE_SIGNAL",
-    "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "FailureHeader", "failure_header",
+    "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "SIGNAL_AFTER_ERROR", "FailureHeader", "failure_header",
     "parse_failure_header", "Layout", "ChannelLike", "resource_config", "input_data_config",
     "config_text", "config_files", "code_uri", "sm_variable", "describe_training_job",
 ]
@@ -201,7 +201,9 @@ def sm_variable(field: str) -> str:
 #   Signal 9 SIGKILL toolkit     only when a signal ended the command: its number, its name,
 #                                and who sent it: "toolkit" (a stop the toolkit forwarded, or
 #                                its SIGKILL after the grace) or "outside" (nobody the toolkit
-#                                knows of: the out-of-memory killer, a kill by hand)
+#                                knows of: the out-of-memory killer, a kill by hand); then
+#                                "after-error" when the command had already shown an error of
+#                                its own (a traceback) before the stop: not a mere victim
 # then "Command: ...", "ErrorMessage: ...", a hint and the stderr tail. SageMaker shows only
 # the first FAILURE_REASON_LIMIT characters as FailureReason, so the header stays short.
 
@@ -210,11 +212,13 @@ FAILURE_AT = "FailedAt"
 FAILURE_SIGNAL = "Signal"
 SIGNAL_FROM_TOOLKIT = "toolkit"
 SIGNAL_FROM_OUTSIDE = "outside"
+SIGNAL_AFTER_ERROR = "after-error"
 _HEADER_LINE = re.compile(
     rf"^(?:{FAILURE_EXIT_CODE}\s+(?P<code>-?\d+)"
     rf"|{FAILURE_AT}\s+(?P<at>\d+(?:\.\d+)?)"
     rf"|{FAILURE_SIGNAL}\s+(?P<sig>\d+)(?:\s+SIG\w+)?\s+"
-    rf"(?P<by>{SIGNAL_FROM_TOOLKIT}|{SIGNAL_FROM_OUTSIDE}))\s*$")
+    rf"(?P<by>{SIGNAL_FROM_TOOLKIT}|{SIGNAL_FROM_OUTSIDE})(?P<after>\s+{SIGNAL_AFTER_ERROR})?)"
+    r"\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +229,7 @@ class FailureHeader:
     failed_at: float | None = None
     signal: int | None = None
     signal_from_toolkit: bool = False
+    signal_after_error: bool = False
 
 
 def _signal_name(number: int) -> str:
@@ -235,14 +240,16 @@ def _signal_name(number: int) -> str:
 
 
 def failure_header(*, exit_code: int, failed_at: float | None = None,
-                   signal: int | None = None, signal_from_toolkit: bool = False) -> list[str]:
+                   signal: int | None = None, signal_from_toolkit: bool = False,
+                   signal_after_error: bool = False) -> list[str]:
     """The header lines of a failure file (see the block comment above)."""
     lines = [f"{FAILURE_EXIT_CODE} {exit_code}"]
     if failed_at is not None:
         lines.append(f"{FAILURE_AT} {failed_at:.3f}")
     if signal is not None:
         sender = SIGNAL_FROM_TOOLKIT if signal_from_toolkit else SIGNAL_FROM_OUTSIDE
-        lines.append(f"{FAILURE_SIGNAL} {signal} {_signal_name(signal)} {sender}")
+        after = f" {SIGNAL_AFTER_ERROR}" if signal_after_error else ""
+        lines.append(f"{FAILURE_SIGNAL} {signal} {_signal_name(signal)} {sender}{after}")
     return lines
 
 
@@ -265,6 +272,7 @@ def parse_failure_header(text: str) -> FailureHeader:
         elif m["sig"] is not None:
             found["signal"] = int(m["sig"])
             found["signal_from_toolkit"] = m["by"] == SIGNAL_FROM_TOOLKIT
+            found["signal_after_error"] = m["after"] is not None
     return FailureHeader(**found)
 
 

@@ -68,7 +68,8 @@ class TrainingJobFailedError(SDKError):
 
     Attributes:
         job_name: the job.
-        host: the first host that failed (e.g. "algo-2"), when known.
+        host: the host where the error began (e.g. "algo-2"), when known: the earliest
+            failure that no stop or kill ended (`fp16_sdk.backends.failures.origin_failure`).
         exit_code: that host's exit code, when known.
         reason: the failure reason (the failure file's text, or SageMaker's FailureReason).
     """

@@ -229,8 +229,10 @@ def _locations(s: Settings, entry: BackendEntry) -> None:
 def _mappings(s: Settings) -> None:
     if not isinstance(s.hyperparameters, dict):
         raise fail("hyperparameters", s.hyperparameters, "must be a dict name -> value")
-    for key, value, kind in (("environment", s.environment, dict),
-                             ("metric_definitions", s.metric_definitions, list),
+    if not isinstance(s.environment, dict):  # its values may be secrets: not shown
+        raise ConfigError(f"environment must be a dict NAME -> str, got a "
+                          f"{type(s.environment).__name__}", key="environment")
+    for key, value, kind in (("metric_definitions", s.metric_definitions, list),
                              ("tags", s.tags, list)):
         if not isinstance(value, kind):
             raise fail(key, value, f"must be a {kind.__name__}")
@@ -241,16 +243,27 @@ def _mappings(s: Settings) -> None:
         if not isinstance(key, str) or not _ENV_NAME.fullmatch(key) or len(key) > MAX_ENV_KEY:
             raise fail("environment", key, "keys must be variable names "
                        "([A-Za-z_][A-Za-z0-9_]*, <= 512 chars)")
-        if not isinstance(value, str) or len(value) > MAX_ENV_VALUE:
-            shown = _shorten(value)
-            raise ConfigError(f"environment[{key!r}]={shown} must be a string of at most "
-                              f"{MAX_ENV_VALUE} chars (write str(...) or shorten it)",
-                              key=key, value=shown)
+        _env_value(key, value)
     _metric_definitions(s)
     if len(s.tags) > MAX_TAGS or not all(
             isinstance(t, dict) and set(t) == {"Key", "Value"} for t in s.tags):
         raise fail("tags", s.tags, "must be a list of at most 50 "
                    "{'Key': ..., 'Value': ...} dicts")
+
+
+def _env_value(name: str, value: Any) -> None:
+    """An environment value is a string of at most MAX_ENV_VALUE characters.
+
+    The error names the variable and the value's type or length, never the value: it may be
+    a secret, and errors reach tracebacks and CI logs.
+    """
+    if not isinstance(value, str):
+        raise ConfigError(f"environment[{name!r}] is a {type(value).__name__}; values must be "
+                          "strings (write str(...))", key=name)
+    if len(value) > MAX_ENV_VALUE:
+        raise ConfigError(f"environment[{name!r}] is {len(value)} characters long; values may "
+                          f"have at most {MAX_ENV_VALUE} (SageMaker's limit): pass large "
+                          "values through a file in source_dir or an input channel", key=name)
 
 
 def _metric_definitions(s: Settings) -> None:

@@ -29,6 +29,16 @@ def test_origin_is_the_earliest_failure_that_no_signal_ended():
     assert origin_failure([peer_error_later, None, origin]) is origin
 
 
+def test_a_host_stopped_after_its_own_error_is_not_a_victim():
+    """algo-2 raised, then was stopped while it was still exiting; algo-1's rank failed by
+    itself on the lost connection a moment later: the error began on algo-2."""
+    text = "\n".join(contract.failure_header(exit_code=1, failed_at=10.0, signal=15,
+                                             signal_from_toolkit=True, signal_after_error=True))
+    origin = HostFailure.from_text("algo-2", text + "\nCommand: x")
+    assert origin.signal_after_error and origin.by_signal == 15 and not origin.killed
+    assert origin_failure([_failure("algo-1", at=10.2), origin]) is origin
+
+
 def test_origin_is_the_earliest_kill_when_every_host_was_killed():
     late = _failure("algo-1", at=20.0, sig=15, ours=True)
     early = _failure("algo-2", at=12.0, sig=9, ours=False, code=137)
@@ -100,3 +110,50 @@ def test_read_host_failure_is_cut_at_the_limit(tmp_path):
     assert found.exit_code == 3
     assert found.reason.endswith(f"[failure file cut at {FAILURE_FILE_LIMIT} bytes]")
     assert len(found.reason) < FAILURE_FILE_LIMIT + 100
+
+
+def _victim_and_origin_texts():
+    """algo-1: torn down (SIGTERM from its toolkit) first; algo-2: its own error, later."""
+    victim = "\n".join(contract.failure_header(exit_code=143, failed_at=10.0, signal=15,
+                                               signal_from_toolkit=True) + ["Command: x"])
+    origin = "\n".join(contract.failure_header(exit_code=1, failed_at=11.0)
+                       + ["Command: x", "ErrorMessage: ValueError: origin"])
+    return victim, origin
+
+
+def test_local_docker_names_the_host_where_the_error_began(tmp_path):
+    """DockerJob's failure choice on real host trees (the containers are not needed for it:
+    `_explain` reads only the trees). The engine saw algo-1 exit first."""
+    from fp16_sdk.backends.local_common import HostTree
+    from fp16_sdk.backends.local_docker_job import DockerJob
+
+    job = object.__new__(DockerJob)
+    job.trees = {h: HostTree(h, tmp_path / h) for h in ("algo-1", "algo-2")}
+    for tree, text in zip(job.trees.values(), _victim_and_origin_texts()):
+        tree.output.mkdir(parents=True)
+        tree.failure_file.write_text(text)
+    host, code, reason = job._explain("algo-1", 143, "")
+    assert (host, code) == ("algo-2", 1) and "ValueError: origin" in reason
+    # The first container to fail wrote no failure file (killed, out of memory): it is named.
+    (tmp_path / "algo-1" / "output" / "failure").unlink()
+    host, code, reason = job._explain("algo-1", 137, "")
+    assert (host, code) == ("algo-1", 137) and "SIGKILL" in reason
+
+
+def test_ec2_names_the_host_where_the_error_began():
+    """The EC2 handle's choice among the hosts' status objects (their reason is the first
+    1024 characters of the failure file, `finished` the time the status was written)."""
+    from fp16_sdk.backends.ec2_job import _origin
+
+    victim, origin = _victim_and_origin_texts()
+    statuses = [{"host": "algo-1", "status": "Failed", "exit_code": 143, "reason": victim,
+                 "finished": 12},
+                {"host": "algo-2", "status": "Failed", "exit_code": 1, "reason": origin,
+                 "finished": 13}]
+    assert _origin(statuses)["host"] == "algo-2"
+    # Statuses without a failure-file header (the instance script failed): the earliest.
+    plain = [{"host": "algo-1", "status": "Failed", "exit_code": 1, "reason": "late",
+              "finished": 20},
+             {"host": "algo-2", "status": "Failed", "exit_code": 1, "reason": "early",
+              "finished": 19}]
+    assert _origin(plain)["host"] == "algo-2"

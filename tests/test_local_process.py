@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from fp16_sdk.backends.base import JobStatus
+from fp16_sdk.backends.failures import read_host_failure
 from fp16_sdk.errors import TrainingJobFailedError
 from fp16_sdk.pytorch import PyTorch
 
@@ -209,6 +210,37 @@ def test_exception_in_one_rank_of_world4(job):
     assert "boom-7f3a in rank 2" in err.value.reason and "RuntimeError" in err.value.reason
     pids = _pids(job.pid_dir)
     assert len(pids) == 8 and not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.slow
+def test_failure_names_the_host_where_the_error_began_not_the_first_to_exit(job):
+    """algo-2's rank raises first; its process then lingers in an atexit hook after closing its
+    Gloo connections, so algo-1's rank (waiting to receive from it) fails with a connection
+    error and its toolkit exits first. The job still names algo-2 and algo-2's error."""
+    est = job("origin.py", PID_PREAMBLE + textwrap.dedent('''
+        import atexit, datetime
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        if host == "algo-2":
+            def linger():
+                dist.destroy_process_group()  # algo-1's recv fails now
+                time.sleep(6)                 # ...while this host is still exiting
+            atexit.register(linger)
+            raise ValueError("origin-5d1c: the error began on algo-2")
+        dist.recv(torch.zeros(1), src=1)
+        '''), distribution={"torch_distributed": {"enabled": True}},
+        backend_options={"keep_job_dir": True})
+    with pytest.raises(TrainingJobFailedError) as err:
+        est.fit(logs=False)
+    assert err.value.host == "algo-2", err.value
+    assert "ErrorMessage: ValueError: origin-5d1c" in err.value.reason
+    # algo-1 did fail by itself (no signal), after algo-2's error began.
+    jobs = job.tmp / "jobs" / est.latest_training_job.name / "hosts"
+    first, second = (read_host_failure(h, jobs / h / "output" / "failure")
+                     for h in ("algo-1", "algo-2"))
+    assert first.by_signal is None and "ErrorMessage: RuntimeError: [" in first.reason  # gloo
+    assert second.failed_at < first.failed_at
+    assert "out-of-memory" not in first.reason + second.reason
 
 
 def test_wait_false_then_wait(job):

@@ -385,6 +385,14 @@ def test_worker_exception_after_process_group_init_is_the_error_message(tmp_path
     assert "ErrorMessage: RuntimeError: rank one broke" in lines
 
 
+SIGTERM_IGNORER = """\
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(os.path.join(os.environ["SM_MODEL_DIR"], "ready"), "w").close()
+time.sleep(600)
+"""
+
+
 def test_sigkill_exit_137_adds_oom_hint(tmp_path):
     base = make_job(tmp_path, {"train.py": "import os, signal\nos.kill(os.getpid(), "
                                            "signal.SIGKILL)\n"}, {})
@@ -396,6 +404,30 @@ def test_sigkill_exit_137_adds_oom_hint(tmp_path):
     header = contract.parse_failure_header(text)
     assert (header.signal, header.signal_from_toolkit) == (signal.SIGKILL, False)
     assert before < header.failed_at < time.time()
+
+
+def test_sigkill_the_toolkit_sent_after_its_grace_is_said_as_such_not_oom(tmp_path):
+    """A stopped toolkit whose script ignores SIGTERM SIGKILLs it after the grace: the failure
+    says so (Signal 9 SIGKILL toolkit) and carries no out-of-memory hint."""
+    base = make_job(tmp_path, {"train.py": SIGTERM_IGNORER}, {})
+    toolkit = subprocess.Popen([sys.executable, "-m", "fp16_sdk.toolkit"],
+                               env=toolkit_env(base, FP16_SDK_STOP_GRACE_S="1"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (base / "model" / "ready").exists(), 60, "the script to start")
+        toolkit.send_signal(signal.SIGTERM)
+        out, err = toolkit.communicate(timeout=60)
+    finally:
+        if toolkit.poll() is None:
+            toolkit.kill()
+            toolkit.wait()
+    assert toolkit.returncode == 128 + signal.SIGTERM, out + err
+    text = (base / "output" / "failure").read_text()
+    assert text.startswith("ExitCode 137\n")
+    header = contract.parse_failure_header(text)
+    assert (header.signal, header.signal_from_toolkit) == (signal.SIGKILL, True)
+    assert "out-of-memory killer:" not in text
+    assert "still running 1 s later, so the toolkit sent SIGKILL" in text
 
 
 def test_shell_entry_point_runs_through_sh_without_parsing_args(tmp_path):

@@ -17,6 +17,7 @@ from .. import contract
 from ..errors import TrainingJobFailedError
 from ..session import Session
 from .base import JobHandle, JobStatus
+from .failures import HostFailure, origin_failure
 
 __all__ = ["EC2Job"]
 
@@ -54,6 +55,21 @@ def _parse_status(host: str, raw: bytes) -> dict:
         return {"host": host, "status": "Failed", "exit_code": None,
                 "reason": f"unreadable status object from {host}: {text[:200]!r}"}
     return status
+
+
+def _origin(failed: list[dict]) -> dict:
+    """The failed host's status where the error began: `origin_failure` over the failure
+    files' headers (the status reason is the file's first 1024 characters), their times
+    defaulting to when each instance wrote its status."""
+    def as_failure(status: dict) -> HostFailure:
+        finished = status.get("finished")
+        return HostFailure.from_text(
+            str(status.get("host")), str(status.get("reason") or ""),
+            exit_code=status.get("exit_code") if isinstance(status.get("exit_code"), int) else None,
+            failed_at=float(finished) if isinstance(finished, (int, float)) else None)
+
+    failures = [as_failure(s) for s in failed]
+    return failed[failures.index(origin_failure(failures))]
 
 
 class EC2Job(JobHandle):
@@ -100,7 +116,7 @@ class EC2Job(JobHandle):
         statuses = self._statuses()
         failed = [s for s in statuses.values() if s.get("status") != "Completed"]
         if failed:
-            return JobStatus.FAILED, failed[0]
+            return JobStatus.FAILED, _origin(failed)
         if len(statuses) == len(self._hosts):
             return JobStatus.COMPLETED, None
         for host, state in self._instance_states().items():

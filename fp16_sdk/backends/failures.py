@@ -5,7 +5,8 @@ Standard library only (every backend uses it, the Slurm one on a login node incl
 When one host of a multi-host job fails, the others fail after it: their ranks lose a peer
 (a connection error), or the backend stops them (SIGTERM, then SIGKILL after the grace). The
 failure worth reporting is the one where the error began: `origin_failure` takes the earliest
-failure that is not a kill by a signal, and the earliest of all only when every host was
+failure that is not a kill by a signal (a host whose own traceback came before the stop is
+not one: the stop only finished it), and the earliest of all only when every host was
 killed. "Earliest" is the header's `FailedAt` (the toolkit stamps when its command's first
 traceback reached it, else when the command ended or the stop arrived), else the failure
 file's modification time.
@@ -46,6 +47,8 @@ class HostFailure:
         signal_from_toolkit: True when the toolkit sent `by_signal` itself (it forwarded a
             stop, or sent SIGKILL after its grace); False for a signal from outside (the
             out-of-memory killer, a kill by hand).
+        signal_after_error: the command had shown an error of its own (a traceback) before
+            the stop came: the signal only finished a host that was failing anyway.
     """
 
     host: str
@@ -54,11 +57,12 @@ class HostFailure:
     failed_at: float | None = None
     by_signal: int | None = None
     signal_from_toolkit: bool = False
+    signal_after_error: bool = False
 
     @property
     def killed(self) -> bool:
-        """The command was ended by a signal: this host is more likely a victim than a cause."""
-        return self.by_signal is not None
+        """A signal ended a command that had shown no error of its own: a victim, not a cause."""
+        return self.by_signal is not None and not self.signal_after_error
 
     @classmethod
     def from_text(cls, host: str, text: str, *, exit_code: int | None = None,
@@ -70,7 +74,8 @@ class HostFailure:
                    exit_code=head.exit_code if head.exit_code is not None else exit_code,
                    reason=text.strip(),
                    failed_at=head.failed_at if head.failed_at is not None else failed_at,
-                   by_signal=head.signal, signal_from_toolkit=head.signal_from_toolkit)
+                   by_signal=head.signal, signal_from_toolkit=head.signal_from_toolkit,
+                   signal_after_error=head.signal_after_error)
 
 
 def read_unlinked(root: Path, parts: Sequence[str], limit: int) -> tuple[str, float]:

@@ -32,6 +32,7 @@ from typing import Any
 from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
+from fp16_sdk.backends.failures import origin_failure
 from fp16_sdk.errors import TrainingJobFailedError
 
 __all__ = ["DockerJob", "LABEL_JOB", "LABEL_HOST", "ENDING_GRACE_S", "job_labels"]
@@ -183,11 +184,14 @@ class DockerJob(JobHandle):
             self._remove_folders()
 
     def _explain(self, host: str, code: int | None, reason: str) -> tuple[str, int | None, str]:
-        """The failing host's failure file, else what the engine says about its exit."""
-        found = lc.read_failure(self.trees[host]) if host in self.trees else None
-        if found is not None:
-            file_code, text = found
-            return host, file_code if file_code is not None else code, text
+        """The failure where the error began (`origin_failure` over every host's failure
+        file), else what the engine says about `host`, the first container that failed (its
+        toolkit wrote no failure file: the container was killed or ran out of memory)."""
+        failures = {h: lc.host_failure(t) for h, t in self.trees.items()}
+        if failures.get(host) is not None:
+            origin = origin_failure(failures.values())
+            same = origin.host == host and origin.exit_code is None
+            return origin.host, code if same else origin.exit_code, origin.reason
         if not reason and code == 137:
             reason = _SIGKILL_REASON
         return host, code, reason or f"the container exited with {code} and wrote no failure file"

@@ -43,6 +43,7 @@ from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import (Backend, JobHandle, JobSpec, JobStatus,
                                     refuse_unknown_options)
+from fp16_sdk.backends.failures import origin_failure
 from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, free_port, pids_with_token,
                                                   send_signal)
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
@@ -261,13 +262,15 @@ class LocalProcessJob(JobHandle):
         self._log.close()
 
     def _failure(self, host: str | None, reason: str | None) -> TrainingJobFailedError:
+        """The failure where the error began (`origin_failure` over every host's failure
+        file); `host`, the first host seen failing, when its toolkit wrote none (it died)."""
         if host is None:
             return TrainingJobFailedError(self.name, reason=reason or "")
-        tree = next(t for t in self._trees if t.host == host)
-        failure = lc.read_failure(tree)
-        if failure is not None:
-            code, text = failure
-            return TrainingJobFailedError(self.name, host=host, exit_code=code, reason=text)
+        failures = {t.host: lc.host_failure(t) for t in self._trees}
+        origin = origin_failure(failures.values()) if failures[host] is not None else None
+        if origin is not None:
+            return TrainingJobFailedError(self.name, host=origin.host,
+                                          exit_code=origin.exit_code, reason=origin.reason)
         tail = [ln for ln in self._log.lines() if ln.startswith(f"{host} | ")][-20:]
         code = self._exit_codes.get(host)
         return TrainingJobFailedError(

@@ -188,6 +188,7 @@ class SlurmBackend(Backend):
             job_name=spec.job_name, nodes=spec.instance_count, max_run=spec.max_run,
             options=options, files=files, stop_grace_s=grace,
             mounts=sorted({files.root.parent, *options.shared_paths})))
+        files.node.touch(mode=0o600)  # it holds the environment's values: the owner's only
         files.node.write_text(script.node_script(
             job_name=spec.job_name, files=files, environment=spec.environment,
             gpus=bool(options.gpus_per_node)))

@@ -4,7 +4,8 @@ Implements SageMaker's container contract (/opt/ml layout, SM_* variables, succe
 files) with stdlib only; torch is never imported here, only launched (torchrun).
 
 Modules: `env` (layout, config files, SM_* variables), `code` (getting and installing the
-user's code), `launcher` (the command line), `process` (running it), `cli` (`train`).
+user's code), `launcher` (the command line), `process` (running it), `report` (the failure
+file's text), `cli` (`train`).
 """
 
 from fp16_sdk.toolkit.cli import failure_text, main, run_training

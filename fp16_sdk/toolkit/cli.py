@@ -8,7 +8,11 @@ the script (directly, or through torchrun when a distribution is enabled), then 
 Exit status: 0 on success. On failure the toolkit exits 1, as SageMaker's does; the real exit
 code of the script is the first line of `output/failure` (`ExitCode N`). When the toolkit is
 stopped by SIGTERM/SIGINT it exits 128 + the signal number after the tree is gone. A script
-that exited 0 is a success even when a stop signal arrived afterwards: never a failure file.
+that exited 0 is a success even when a stop signal arrived afterwards: never a failure file,
+and the toolkit writes `success` before it exits (a stop after the command ended is only
+remembered, see `stops`). A stop that finds torchrun alone, its workers all exited, gives it
+up to SETTLE_S to finish by itself: its own exit status decides (compose stops the other
+containers as soon as one exits, often while torchrun is still shutting down).
 
 Local backends pass two more variables (see `process` for why):
 `FP16_SDK_LIFELINE_FD`, a pipe that reaches end of file when the SDK process dies (the
@@ -18,9 +22,8 @@ SIGTERM and SIGKILL for the tree (default 30).
 
 from __future__ import annotations
 
+import errno
 import os
-import re
-import shlex
 import signal
 import sys
 import time
@@ -32,81 +35,18 @@ from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
-from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, ProcessResult, become_subreaper,
-                                      run_process, watch_lifeline)
+from fp16_sdk.toolkit.passable import shown, unpassable
+from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, become_subreaper, run_process,
+                                      watch_lifeline)
+from fp16_sdk.toolkit.stops import StopSignals, Stopped
+from fp16_sdk.toolkit.report import display, failure_text, result_failure, setup_failure
 
-__all__ = ["main", "run_training", "failure_text"]
+__all__ = ["main", "run_training", "failure_text", "SETTLE_S"]
 
-_OOM_HINT = ("The process was killed with SIGKILL (exit 137), most often by the kernel's "
-             "out-of-memory killer: use a larger instance, a smaller batch, or more pipeline/"
-             "tensor parallelism; in Docker also check the container memory and --shm-size.")
-# torchrun's error summary for a worker killed by SIGKILL.
-_WORKER_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
-# "ValueError: ..." as Python prints it last in a traceback; torchrun's own ChildFailedError
-# only says that a worker failed, so the worker's exception is preferred.
-_EXCEPTION_LINE = re.compile(r"^[\w.]*(?:Error|Exception|Interrupt)(?::|$)")
-# torch prefixes a worker's uncaught traceback with "[rankN]: " once its process group exists
-# (every smp job), and torchrun's --tee with "[defaultN]:"; the exception line follows it.
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
-
+SETTLE_S = 5.0  # at most this (and a third of the grace) for torchrun to finish after its workers
 
 def _say(message: str) -> None:
     print(f"[toolkit] {message}", flush=True)
-
-
-def _display(argv: Sequence[str]) -> str:
-    """The command as one line, for humans only (never executed)."""
-    return shlex.join(argv)
-
-
-def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str], *,
-                 failed_at: float | None = None, signal: int | None = None,
-                 signal_from_toolkit: bool = False) -> str:
-    """The failure file: the contract's header (`ExitCode N`, `FailedAt`, `Signal` when one
-    ended the command), `Command: ...`, an `ErrorMessage:` line when the tail shows an
-    exception (SageMaker shows only the first 1024 characters as FailureReason), an
-    out-of-memory hint for SIGKILL, then the stderr tail."""
-    lines = contract.failure_header(exit_code=exit_code, failed_at=failed_at, signal=signal,
-                                    signal_from_toolkit=signal_from_toolkit)
-    lines.append(f"Command: {_display(argv)}")
-    unprefixed = (_RANK_PREFIX.sub("", ln.strip()).strip() for ln in reversed(stderr_tail))
-    error = next((ln for ln in unprefixed
-                  if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln), None)
-    if error:
-        lines.append(f"ErrorMessage: {error}")
-    if exit_code == 137 or any(_WORKER_SIGKILL.search(ln) for ln in stderr_tail):
-        lines.append(_OOM_HINT)
-    lines.append("")
-    lines.extend(stderr_tail)
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _setup_failure(message: str, detail: str = "") -> str:
-    """The failure file of an error before the user's command ran (exit code 1)."""
-    lines = contract.failure_header(exit_code=1, failed_at=time.time())
-    return "\n".join([*lines, "Command: train", f"ErrorMessage: {message}"]) + "\n" + detail
-
-
-def _ending_signal(result: ProcessResult) -> tuple[int | None, bool]:
-    """(the signal that ended the command, whether the toolkit sent it), (None, False) when
-    the command exited by itself."""
-    if result.exit_code == 0:
-        return None, False
-    if result.sent_signal is not None:  # our SIGTERM (a stop), or our SIGKILL after the grace
-        killed = result.sent_signal == signal.SIGKILL and result.exit_code == 128 + signal.SIGKILL
-        return (signal.SIGKILL if killed else signal.SIGTERM), True
-    if 128 < result.exit_code < 128 + signal.NSIG:  # shell convention: killed by signal N
-        return result.exit_code - 128, False
-    return None, False
-
-
-def _result_failure(result: ProcessResult, argv: Sequence[str]) -> str:
-    """The failure file of a command that ended with a non-zero status."""
-    sig, ours = _ending_signal(result)
-    began = [t for t in (result.first_error_at, result.stopped_at) if t is not None]
-    return failure_text(result.exit_code, argv, result.stderr_tail,
-                        failed_at=min(began) if began else result.ended_at, signal=sig,
-                        signal_from_toolkit=ours)
 
 
 def _fail(paths: Paths, text: str) -> int:
@@ -119,50 +59,105 @@ def _fail(paths: Paths, text: str) -> int:
     return 1
 
 
-def _install(paths: Paths, env: Mapping[str, str]) -> str | None:
+def _install(paths: Paths, env: Mapping[str, str], stops: StopSignals) -> str | None:
     """Run the requirements.txt / setup.py installs; the failure text, or None when all pass."""
     for step in install_commands(paths.code):
-        _say(f"installing {step.what}: {_display(step.argv)}")
-        result = run_process(step.argv, env=env, cwd=paths.code)
+        _say(f"installing {step.what}: {display(step.argv)}")
+        try:
+            result = run_process(step.argv, env=env, cwd=paths.code, stops=stops)
+        except (OSError, ValueError) as exc:
+            return _launch_failure(exc, step.argv)
         if result.exit_code != 0:
-            return _result_failure(result, step.argv)
+            return result_failure(result, step.argv, grace_s=DEFAULT_GRACE_S)
     return None
 
 
-def run_training(environ: Mapping[str, str]) -> int:
+def run_training(environ: Mapping[str, str], *, stops: StopSignals | None = None) -> int:
     """Run one training job on this host.
 
     Args:
         environ: the toolkit's environment (os.environ in the container).
+        stops: the toolkit's stop signals, installed by `main` for the toolkit's whole life
+            (None: a fresh, uninstalled one; the caller handles signals).
 
     Returns:
         The toolkit's exit status: 0 success, 1 failure, 128+N when stopped by signal N.
     """
+    stops = stops if stops is not None else StopSignals()
     paths = Paths.from_environ(environ)
     start = time.monotonic()
     _say(f"fp16_sdk {__version__} training toolkit, base dir {paths.base}")
+    stops.raise_when_idle = True  # a stop while setting up ends the setup at once
     try:
-        paths.make_output_dirs()
-        for stale in ("success", "failure"):  # left by an earlier run in the same tree
-            (paths.output / stale).unlink(missing_ok=True)
-        config = JobConfig.read(paths)
-        _say(prepare_code(config.hyperparameters.get("sagemaker_submit_directory"),
-                          paths.code, environ=environ))
-        if len(config.hosts) > 1 and distribution_enabled(config.hyperparameters):
-            # torchrun's rendezvous needs only the master's address; waiting for every host
-            # would hang on a host whose container already finished and left the network DNS.
-            wait_for_hosts(config.hosts[:1], environ)
-        grace_s = _grace_s(environ)
-        num_gpus = count_gpus(environ)
-        plan = build_plan(config, code_dir=paths.code, num_gpus=num_gpus, environ=environ)
-        sm_env = build_env(config, paths=paths, num_cpus=count_cpus(), num_gpus=num_gpus,
-                           environ=environ, master_addr=plan.env_updates["MASTER_ADDR"],
-                           master_port=int(plan.env_updates["MASTER_PORT"]))
+        if stops.received is not None:
+            raise Stopped(stops.received)
+        setup = _set_up(paths, environ)
+    except Stopped as exc:
+        stops.raise_when_idle = False
+        return _stopped_before_start(paths, exc.signum, stops.at)
     except Exception as exc:  # noqa: BLE001 - any setup error must end in a failure file
+        stops.raise_when_idle = False
         expected = isinstance(exc, (SDKError, OSError))
         detail = "" if expected else "\n" + traceback.format_exc()
-        return _fail(paths, _setup_failure(f"{type(exc).__name__}: {exc}", detail))
+        return _fail(paths, setup_failure(f"{type(exc).__name__}: {exc}", detail))
+    stops.raise_when_idle = False  # from here on a stop is forwarded, or only remembered
+    config, plan, child_env, grace_s = setup
 
+    # exec would fail (ValueError, E2BIG) with nothing to say which hyperparameter is the cause
+    problem = unpassable(plan.argv, child_env, hyperparameters=config.user_hyperparameters)
+    if problem is not None:
+        return _fail(paths, setup_failure(f"ConfigError: {problem}"))
+    failed = _install(paths, child_env, stops)
+    if failed is not None:
+        return _fail(paths, failed)
+    for note in plan.notes:
+        _say(note)
+    _say(f"host {config.current_host} ({config.hosts.index(config.current_host) + 1}/"
+         f"{len(config.hosts)}), {plan.nproc_per_node} process(es), "
+         f"{'torchrun' if plan.distributed else 'direct'}: {display(plan.argv)}")
+    if stops.received is not None:
+        return _stopped_before_start(paths, stops.received, stops.at)
+    try:
+        result = run_process(plan.argv, env=child_env, cwd=paths.code, grace_s=grace_s,
+                             stops=stops, settle_s=min(SETTLE_S, grace_s / 3)
+                             if plan.distributed else 0.0)
+    except (OSError, ValueError) as exc:  # exec refused it: no process ran
+        return _fail(paths, _launch_failure(exc, plan.argv))
+    elapsed = time.monotonic() - start
+    if result.stopped_by is not None and result.exit_code != 0:
+        _fail(paths, result_failure(result, plan.argv, grace_s=grace_s))
+        _say(f"stopped by signal {result.stopped_by} after {elapsed:.1f}s")
+        return 128 + result.stopped_by
+    if result.exit_code != 0:
+        _say(f"training failed with exit code {result.exit_code} after {elapsed:.1f}s")
+        return _fail(paths, result_failure(result, plan.argv, grace_s=grace_s))
+    _succeed(paths)
+    _say(f"training succeeded in {elapsed:.1f}s")
+    return 0
+
+
+def _set_up(paths: Paths, environ: Mapping[str, str]):
+    """Folders, config, code, the rendezvous host, the plan and the child's environment.
+
+    Returns:
+        (config, plan, child_env, grace_s).
+    """
+    paths.make_output_dirs()
+    for stale in ("success", "failure"):  # left by an earlier run in the same tree
+        (paths.output / stale).unlink(missing_ok=True)
+    config = JobConfig.read(paths)
+    _say(prepare_code(config.hyperparameters.get("sagemaker_submit_directory"),
+                      paths.code, environ=environ))
+    if len(config.hosts) > 1 and distribution_enabled(config.hyperparameters):
+        # torchrun's rendezvous needs only the master's address; waiting for every host
+        # would hang on a host whose container already finished and left the network DNS.
+        wait_for_hosts(config.hosts[:1], environ)
+    grace_s = _grace_s(environ)
+    num_gpus = count_gpus(environ)
+    plan = build_plan(config, code_dir=paths.code, num_gpus=num_gpus, environ=environ)
+    sm_env = build_env(config, paths=paths, num_cpus=count_cpus(), num_gpus=num_gpus,
+                       environ=environ, master_addr=plan.env_updates["MASTER_ADDR"],
+                       master_port=int(plan.env_updates["MASTER_PORT"]))
     child_env = dict(environ)
     # The user's own environment= wins for NCCL knobs (SageMaker overwrites them; we don't).
     for name in ("NCCL_DEBUG", "NCCL_SOCKET_IFNAME"):
@@ -173,45 +168,36 @@ def run_training(environ: Mapping[str, str]) -> int:
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(paths.code), environ.get("PYTHONPATH", "")) if p)
+    return config, plan, child_env, grace_s
 
-    problem = _unpassable(plan.argv, child_env)
-    if problem is not None:  # exec would raise ValueError after we can no longer report it
-        return _fail(paths, _setup_failure(f"ConfigError: {problem}"))
-    failed = _install(paths, child_env)
-    if failed is not None:
-        return _fail(paths, failed)
-    for note in plan.notes:
-        _say(note)
-    _say(f"host {config.current_host} ({config.hosts.index(config.current_host) + 1}/"
-         f"{len(config.hosts)}), {plan.nproc_per_node} process(es), "
-         f"{'torchrun' if plan.distributed else 'direct'}: {_display(plan.argv)}")
-    result = run_process(plan.argv, env=child_env, cwd=paths.code,
-                         grace_s=grace_s)
-    elapsed = time.monotonic() - start
-    if result.stopped_by is not None and result.exit_code != 0:
-        _fail(paths, _result_failure(result, plan.argv))
-        _say(f"stopped by signal {result.stopped_by} after {elapsed:.1f}s")
-        return 128 + result.stopped_by
-    if result.exit_code != 0:
-        _say(f"training failed with exit code {result.exit_code} after {elapsed:.1f}s")
-        return _fail(paths, _result_failure(result, plan.argv))
+
+_E2BIG_FIX = ("; an argument or environment value is too long for Linux: pass large "
+              "hyperparameter values through a file (in source_dir or an input channel)")
+
+
+def _launch_failure(exc: BaseException, argv: Sequence[str]) -> str:
+    """The failure file of a command that could not be started at all."""
+    too_big = isinstance(exc, OSError) and exc.errno == errno.E2BIG
+    lines = contract.failure_header(exit_code=1, failed_at=time.time())
+    return "\n".join([*lines, f"Command: {display(argv)[:400]}",
+                      f"ErrorMessage: the command could not be started: "
+                      f"{type(exc).__name__}: {exc}{_E2BIG_FIX if too_big else ''}"]) + "\n"
+
+
+def _succeed(paths: Paths) -> None:
+    """Write output/success (the training command exited 0)."""
     (paths.output / "success").write_text("")
-    _say(f"training succeeded in {elapsed:.1f}s")
-    return 0
 
 
-def _unpassable(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
-    """Why `argv`/`env` cannot reach exec (a NUL anywhere, '=' in a name), or None."""
-    for name, value in env.items():
-        if not name or "=" in name or "\x00" in name or "\x00" in value:
-            return (f"environment variable {name[:80]!r} (value {value[:40]!r}) cannot be "
-                    "passed to the script: names must be non-empty without '=' or NUL and "
-                    "values without NUL; rename the hyperparameter (SM_HP_<KEY>) or variable")
-    for arg in argv:
-        if "\x00" in arg:
-            return (f"argument {arg[:80]!r} holds a NUL character, which no command line can "
-                    "carry; remove it from the hyperparameter")
-    return None
+def _stopped_before_start(paths: Paths, signum: int, at: float | None) -> int:
+    name = signal.Signals(signum).name
+    lines = contract.failure_header(exit_code=128 + signum, failed_at=at or time.time(),
+                                    signal=signum)
+    _fail(paths, "\n".join([*lines, "Command: train", f"ErrorMessage: the toolkit received "
+                                                      f"{name} before the training command "
+                                                      "started (the job was stopped)"]) + "\n")
+    _say(f"stopped by {name} before the training started")
+    return 128 + signum
 
 
 def _grace_s(environ: Mapping[str, str]) -> float:
@@ -229,7 +215,7 @@ def _grace_s(environ: Mapping[str, str]) -> float:
         value = -1.0
     if not value >= 0:  # also refuses nan
         raise ConfigError(f"FP16_SDK_STOP_GRACE_S must be a number of seconds >= 0, got "
-                          f"{text!r}", key="FP16_SDK_STOP_GRACE_S", value=text)
+                          f"{shown(text)}", key="FP16_SDK_STOP_GRACE_S")
     return value
 
 
@@ -243,8 +229,8 @@ def _lifeline_fd(environ: Mapping[str, str]) -> int | None:
     if text is None:
         return None
     if not text.isdigit():
-        raise ConfigError(f"FP16_SDK_LIFELINE_FD must be a file descriptor number, got {text!r}",
-                          key="FP16_SDK_LIFELINE_FD", value=text)
+        raise ConfigError(f"FP16_SDK_LIFELINE_FD must be a file descriptor number, got "
+                          f"{shown(text)}", key="FP16_SDK_LIFELINE_FD")
     try:
         os.fstat(int(text))
     except OSError as exc:
@@ -257,11 +243,13 @@ def _lifeline_fd(environ: Mapping[str, str]) -> int | None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console script `train` (the argument SageMaker passes to the image is ignored)."""
     del argv
+    stops = StopSignals()
+    stops.install()  # for the toolkit's whole life: no stop signal is ever lost (see stops)
     try:
         fd = _lifeline_fd(os.environ)
     except ConfigError as exc:
-        sys.exit(_fail(Paths.from_environ(os.environ), _setup_failure(f"ConfigError: {exc}")))
+        sys.exit(_fail(Paths.from_environ(os.environ), setup_failure(f"ConfigError: {exc}")))
     become_subreaper()  # orphaned workers stay in our tree (a no-op outside Linux)
     if fd is not None:
         watch_lifeline(fd)
-    sys.exit(run_training(os.environ))
+    sys.exit(run_training(os.environ, stops=stops))

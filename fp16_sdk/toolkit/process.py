@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from fp16_sdk.procfs import read_stat
+from fp16_sdk.toolkit.stops import StopSignals
 
 __all__ = ["ProcessResult", "run_process", "descendants", "become_subreaper", "watch_lifeline",
+           "StopSignals",
            "DEFAULT_GRACE_S", "TAIL_LINES"]
 
 DEFAULT_GRACE_S = 30.0  # SIGTERM -> SIGKILL; SageMaker allows 120 s for the whole container
@@ -180,6 +182,12 @@ class _Tree:
             except OSError:
                 pass
 
+    def workers_done(self) -> bool:
+        """Processes below the command were seen and none is alive: the command is alone."""
+        self.refresh()
+        others = self.known - {self.proc.pid}
+        return bool(others) and not any(_pid_alive(pid) for pid in others)
+
     def alive(self) -> bool:
         if self.proc.poll() is None:
             return True
@@ -227,12 +235,20 @@ def _pump_stderr(pipe, tail: collections.deque, marks: dict) -> None:
 
 def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
                 grace_s: float = DEFAULT_GRACE_S, tail_lines: int = TAIL_LINES,
-                forward: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> ProcessResult:
+                forward: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+                stops: StopSignals | None = None, settle_s: float = 0.0) -> ProcessResult:
     """Run `argv` to completion, streaming its output through.
 
     stdout is inherited (zero copies); stderr goes through a pipe that is copied to our stderr
-    and remembered. On a forwarded signal the whole tree gets SIGTERM, then SIGKILL after
-    `grace_s`; so do processes still running after the child itself exited. Signal handlers are installed only when called from the main thread.
+    and remembered. On a stop signal the whole tree gets SIGTERM, then SIGKILL after
+    `grace_s`; so do processes still running after the child itself exited.
+
+    A launcher (torchrun) outlives its workers for a moment: it waits for the other hosts'
+    launchers (its exit barrier) and shuts its rendezvous down. With `settle_s` > 0, a stop
+    that arrives once every process the command started has exited gives the command up to
+    `settle_s` to exit by itself before it gets SIGTERM: its own exit status then says whether
+    its workers succeeded (a job whose training finished is a success, even when the
+    platform stopped the container a moment later, as compose does once another host exited).
 
     Args:
         argv: the command (never a shell string).
@@ -240,11 +256,32 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
         cwd: its working directory.
         grace_s: seconds between SIGTERM and SIGKILL.
         tail_lines: how many stderr lines to keep.
-        forward: signals to forward.
+        forward: signals to forward when `stops` is not given.
+        stops: the caller's StopSignals (the toolkit's, installed for its whole life); None:
+            handlers for `forward` are installed for this call only (main thread only).
+        settle_s: see above; 0 forwards a stop at once.
 
     Returns:
-        The ProcessResult.
+        The ProcessResult; a stop that came before the command could start gives exit code
+        128 + N without running it.
     """
+    own = stops is None
+    stops = stops if stops is not None else StopSignals(forward)
+    previous = stops.install() if own else {}
+    try:
+        if stops.received is not None:  # stopped before the command started: do not start it
+            now = time.time()
+            return ProcessResult(exit_code=128 + stops.received, stopped_by=stops.received,
+                                 ended_at=now, stopped_at=stops.at or now)
+        return _run(argv, env=env, cwd=cwd, grace_s=grace_s, tail_lines=tail_lines,
+                    stops=stops, settle_s=settle_s)
+    finally:
+        stops.target = None
+        StopSignals.restore(previous)
+
+
+def _run(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, grace_s: float,
+         tail_lines: int, stops: StopSignals, settle_s: float) -> ProcessResult:
     tail: collections.deque = collections.deque(maxlen=tail_lines)
     proc = subprocess.Popen(list(argv), env=dict(env), cwd=str(cwd), stdin=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
@@ -252,50 +289,58 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
     marks: dict[str, float] = {}
     pump = threading.Thread(target=_pump_stderr, args=(proc.stderr, tail, marks), daemon=True)
     pump.start()
-    received: list[int] = []
+    settle_until: list[float] = []  # set while a stop waits for the launcher to finish
 
-    def on_signal(signum, _frame):
-        if not received:
-            received.append(signum)
-            marks["stopped"] = time.time()
+    def on_signal(_signum: int) -> None:
+        if "stopped" in marks:
+            return
+        marks["stopped"] = stops.at or time.time()
+        if settle_s > 0 and tree.workers_done():
+            settle_until.append(time.monotonic() + settle_s)
+        else:
             tree.signal(signal.SIGTERM)
 
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, on_signal) for sig in forward}
-    try:
-        while proc.poll() is None and not received:
-            tree.refresh()  # remember workers while they live, to reach them if orphaned
-            _reap_orphans(proc.pid)
-            try:
-                proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.returncode is not None:
-            marks["ended"] = time.time()
-        # The child ended by itself but left processes (workers of a torchrun that was killed,
-        # a daemon): a tree never outlives its root, they get the same SIGTERM/SIGKILL.
-        stray = not received and tree.alive()
-        if stray:
+    stops.target = on_signal
+    if stops.received is not None:  # arrived between the caller's check and now
+        on_signal(stops.received)
+    while proc.poll() is None and ("stopped" not in marks or settle_until):
+        if settle_until and (time.monotonic() > settle_until[0] or not tree.workers_done()):
+            settle_until.clear()  # the launcher did not finish (or started workers again)
             tree.signal(signal.SIGTERM)
-        if received or stray:
-            deadline = time.monotonic() + grace_s
-            while tree.alive() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if tree.alive():
-                tree.signal(signal.SIGKILL)
-                deadline = time.monotonic() + 5.0  # SIGKILL is not instant either
-                while tree.alive() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            proc.wait()
-            marks.setdefault("ended", time.time())
-            _reap_orphans(proc.pid)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            break
+        tree.refresh()  # remember workers while they live, to reach them if orphaned
+        _reap_orphans(proc.pid)
+        try:
+            proc.wait(timeout=0.1 if settle_until else 0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.returncode is not None:
+        marks["ended"] = time.time()
+    # The child ended by itself but left processes (workers of a torchrun that was killed,
+    # a daemon): a tree never outlives its root, they get the same SIGTERM/SIGKILL.
+    stray = "stopped" not in marks and tree.alive()
+    if stray:
+        tree.signal(signal.SIGTERM)
+    if "stopped" in marks or stray:
+        _end_tree(tree, grace_s)
+        marks.setdefault("ended", time.time())
     pump.join(timeout=5.0)
     code = proc.returncode
     return ProcessResult(exit_code=128 - code if code < 0 else code, stderr_tail=list(tail),
-                         stopped_by=received[0] if received else None,
+                         stopped_by=stops.received if "stopped" in marks else None,
                          sent_signal=tree.sent_to_command, ended_at=marks["ended"],
                          first_error_at=marks.get("error"), stopped_at=marks.get("stopped"))
+
+
+def _end_tree(tree: _Tree, grace_s: float) -> None:
+    """Wait up to `grace_s` for the tree (already sent SIGTERM) to exit, SIGKILL the rest."""
+    deadline = time.monotonic() + grace_s
+    while tree.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if tree.alive():
+        tree.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5.0  # SIGKILL is not instant either
+        while tree.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    tree.proc.wait()
+    _reap_orphans(tree.proc.pid)
