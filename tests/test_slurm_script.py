@@ -232,3 +232,16 @@ def test_ssh_prefix_quotes_each_word_for_the_remote_shell():
                                                                    "12"]
     assert SlurmCli(["/usr/bin/ssh", "h"])._argv(["sbatch", "/a b/x"])[-1] == "'/a b/x'"
     assert SlurmCli(["docker", "exec", "-i", "c"])._argv(["sbatch", "/a b"])[-1] == "/a b"
+
+
+# ---- attach without a cluster ----------------------------------------------------------------
+
+def test_attach_needs_a_slurm_session_and_names_a_missing_job(tmp_path):
+    from fp16_sdk.backends.slurm import SlurmSession
+    from fp16_sdk.errors import BackendError
+    from fp16_sdk.pytorch import PyTorch
+    with pytest.raises(ConfigError, match="file:// output_path"):
+        SlurmSession(output_path="s3://bucket/jobs")
+    session = SlurmSession(output_path=f"file://{tmp_path}")
+    with pytest.raises(BackendError, match=f"no Slurm job 'gone-1' under file://{tmp_path}"):
+        PyTorch.attach("gone-1", sagemaker_session=session)
