@@ -12,13 +12,11 @@ by the last test, so that wait overlaps the other tests.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import textwrap
 import time
 import uuid
 from pathlib import Path

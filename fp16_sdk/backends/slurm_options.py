@@ -90,8 +90,9 @@ class ContainerSpec:
 
     Attributes:
         runtime: "pyxis" (srun --container-image) or "apptainer" (apptainer exec).
-        image: the image reference as the runtime takes it (pyxis: "nvcr.io#nvidia/pytorch:24.05-py3"
-            or a .sqsh path; apptainer: a .sif path or "docker://...").
+        image: the image reference as the runtime takes it (pyxis: an enroot reference such
+            as "nvcr.io#nvidia/pytorch:24.05-py3" or a .sqsh path; apptainer: a .sif path or
+            "docker://...").
     """
 
     runtime: str

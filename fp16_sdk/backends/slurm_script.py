@@ -205,7 +205,8 @@ def node_script(*, job_name: str, files: JobFiles, environment: Mapping[str, str
         "export PYTHONUNBUFFERED=1",
         *exports,
         "# A requeued attempt starts clean: an earlier attempt's end is not this one's.",
-        f'rm -f "${contract.BASE_DIR_VAR}/output/failure" "${contract.BASE_DIR_VAR}/output/success"',
+        f'rm -f "${contract.BASE_DIR_VAR}/output/failure" '
+        f'"${contract.BASE_DIR_VAR}/output/success"',
         *iface,
         'echo "fp16_sdk: $HOST is $(hostname), attempt ${SLURM_RESTART_COUNT:-0}"',
         f"exec {TOOLKIT_COMMAND}",
