@@ -98,13 +98,13 @@ def test_smp_fp16_on_two_nodes_equals_local_process(slurm_cluster, shared, degre
     params = {**degrees, "microbatches": 2, "ddp": True, "fp16": True}
     dist = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": params}},
             "mpi": {"enabled": True, "processes_per_host": 1}}
-    runs = {}
-    for instance_type in ("slurm", "local_process"):
-        est = _estimator(slurm_cluster, shared, "pp_tp_fp16_train.py",
-                         instance_type=instance_type, distribution=dist)
-        est.fit(logs=False)
-        runs[instance_type] = sorted(_ranks(est), key=lambda r: r["rank"])
-    slurm, local = runs["slurm"], runs["local_process"]
+    on_slurm, here = (_estimator(slurm_cluster, shared, "pp_tp_fp16_train.py",
+                                 instance_type=kind, distribution=dist)
+                      for kind in ("slurm", "local_process"))
+    on_slurm.fit(wait=False)  # the two runs overlap: the reference runs while Slurm's does
+    here.fit(logs=False)
+    on_slurm.latest_training_job.wait(logs=False)
+    slurm, local = (sorted(_ranks(est), key=lambda r: r["rank"]) for est in (on_slurm, here))
     assert [r["rank"] for r in slurm] == [0, 1]
     for got, want in zip(slurm, local):
         assert len(got["losses"]) == len(want["losses"]) > 0
