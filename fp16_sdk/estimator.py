@@ -30,6 +30,7 @@ from typing import Any
 from fp16_sdk import estimator_args, estimator_validation
 from fp16_sdk import estimator_job as job
 from fp16_sdk.backends.base import BackendEntry, JobHandle, backend_entry, backend_for
+from fp16_sdk.backends.placement import Placement
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as _fail
 from fp16_sdk.estimator_settings import Settings
@@ -320,7 +321,7 @@ class Estimator:
         if wait:
             self.latest_training_job.wait(logs=logs)
 
-    def _note_no_effect(self, settings: Settings, placement) -> None:
+    def _note_no_effect(self, settings: Settings, placement: Placement) -> None:
         """Log once per estimator the SageMaker-only arguments this placement does not use."""
         if not placement.notes_no_effect or self._noted_no_effect:
             return

@@ -7,6 +7,7 @@ The S3 placement's checks run without AWS (no call is made before they refuse).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -155,6 +156,43 @@ def test_a_second_fit_under_a_used_name_is_refused_and_leaves_the_first(workdir,
     with pytest.raises(ConfigError, match="'job-3' is already used"):
         _estimator(workdir).fit({"training": f"file://{workdir / 'data'}"}, job_name="job-3")
     assert (workdir / "shared" / "job-3" / "output" / "model.tar.gz").is_file()
+
+
+class UploadingBackend(Backend):
+    """Takes the code as a remote backend would: it must exist during submit() only."""
+
+    NAME = "uploading"
+    seen: list[tuple[JobSpec, bytes]] = []
+
+    def submit(self, spec: JobSpec) -> JobHandle:
+        check_remote_request(spec, base.BACKENDS["uploading"])
+        UploadingBackend.seen.append((spec, spec.sourcedir.read_bytes()))
+        return _DoneJob(spec, Path("/nonexistent"))
+
+
+def test_an_s3_row_packages_in_a_temporary_folder(workdir, monkeypatch):
+    UploadingBackend.seen = []
+    monkeypatch.setitem(base.BACKENDS, "uploading", BackendEntry(
+        "uploading", f"{__name__}:UploadingBackend", placement=S3_STORAGE,
+        instance_types=("uploading",), needs_image=True))
+    session = type("S", (), {"default_bucket": lambda self: "my-bucket",
+                             "boto_region_name": "eu-west-1"})()
+    with pytest.raises(ConfigError, match="image_uri=None with instance_type='uploading'"):
+        _estimator(workdir, instance_type="uploading", output_path=None,
+                   sagemaker_session=session)
+    est = _estimator(workdir, instance_type="uploading", output_path=None, image_uri=IMAGE,
+                     sagemaker_session=session)
+    with pytest.raises(ConfigError, match="input channel 'training' is 'file://"):
+        est.fit({"training": f"file://{workdir / 'data'}"}, job_name="job-4")
+    est.fit({"training": "s3://my-bucket/data"}, job_name="job-4")
+    ((spec, code),) = UploadingBackend.seen
+    assert spec.output_path == "s3://my-bucket/"
+    assert json.loads(spec.hyperparameters["sagemaker_submit_directory"]) == \
+        "s3://my-bucket/job-4/source/sourcedir.tar.gz"
+    with tarfile.open(fileobj=io.BytesIO(code)) as tar:
+        assert tar.getnames() == ["train.py"]
+    assert not spec.sourcedir.exists() and not spec.sourcedir.parent.exists()
+    assert not (workdir / "fp16_sdk_jobs").exists() and not (workdir / "shared").exists()
 
 
 def test_an_unknown_type_is_refused_without_the_row(workdir):

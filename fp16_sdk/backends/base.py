@@ -81,17 +81,24 @@ class Channel:
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """A validated training job, independent of where it runs.
+    """The request a backend receives: one validated training job, independent of where it runs.
+
+    The estimator resolves its arguments into this once per fit() (`estimator_job.job_spec`);
+    the locations in it already obey the chosen row's placement policy (a backend's `submit()`
+    rechecks a hand-built spec with `placement.check_request`). Folder placements have claimed
+    `<output_path>/<job_name>/` and built the code in its `source/`.
 
     Attributes:
         job_name: SageMaker-valid job name.
         image_uri: the training image (may be None for local_process, which runs the toolkit here).
         instance_type / instance_count: as the user gave them.
         hyperparameters: the final {name: JSON-encoded string} dict, sagemaker_* keys included.
-        sourcedir: path of the reproducible sourcedir.tar.gz built for this job.
+        sourcedir: path of the reproducible sourcedir.tar.gz built for this job (in the job
+            folder, or in a temporary folder removed after submit() for S3_STORAGE).
         entry_point: the entry script's name inside the sourcedir.
         channels: input channels.
-        output_path: file:// or s3:// prefix; artifacts go to <output_path>/<job>/output/.
+        output_path: the placement's scheme (file:// or s3://); artifacts go to
+            <output_path>/<job>/output/ ("" for S3_STORAGE without a session bucket yet).
         code_location: s3:// prefix for the sourcedir (remote); None -> derived from output_path.
         environment: extra environment variables for the training container.
         checkpoint_s3_uri / checkpoint_local_path: the checkpoint channel.

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 from fp16_sdk import contract
 from fp16_sdk.backends.base import Channel, JobSpec
 from fp16_sdk.backends.failures import FAILURE_FILE_LIMIT, HostFailure, read_host_failure
+from fp16_sdk.backends.placement import DEFAULT_OUTPUT_DIRNAME  # file://<cwd>/fp16_sdk_jobs
 
 __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
            "checkpoint_store", "read_failure", "host_failure", "FAILURE_FILE_LIMIT", "collect_artifacts", "remove_hosts",
@@ -40,7 +41,6 @@ __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_o
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OUTPUT_DIRNAME = "fp16_sdk_jobs"  # default output_path: file://<cwd>/fp16_sdk_jobs
 
 
 def local_path(uri: str) -> Path:

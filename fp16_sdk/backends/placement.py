@@ -97,7 +97,7 @@ def _file_types() -> str:
 
 
 class Placement(abc.ABC):
-    """A placement policy (see the module docstring). Stateless; one instance per policy.
+    """A placement policy (see the module docstring). Immutable; rows share the instances.
 
     Attributes:
         scheme: "file://" or "s3://": where output_path, the job folder and the code live.
