@@ -72,6 +72,7 @@ if host == "algo-2":
     while not Path(os.environ["RELEASE"]).exists():
         time.sleep(0.02)
 Path(os.environ["SM_MODEL_DIR"], "worker.pid").write_text(str(os.getpid()))
+os._exit(0)  # at once: the test's window is bounded by the toolkit's settle time
 """
 
 
@@ -97,7 +98,7 @@ def test_stop_after_the_workers_succeeded_while_torchrun_shuts_down_is_a_success
         release.touch()
     finally:
         outs = _finish(procs)
-    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-4000:]
     assert _outcome(bases[0]) == {"success"} and _outcome(bases[1]) == {"success"}
 
 

@@ -109,7 +109,8 @@ def run_training(environ: Mapping[str, str], *, stops: StopSignals | None = None
         return _fail(paths, setup_failure(f"ConfigError: {problem}"))
     failed = _install(paths, child_env, stops)
     if failed is not None:
-        return _fail(paths, failed)
+        code = _fail(paths, failed)
+        return code if stops.received is None else 128 + stops.received
     for note in plan.notes:
         _say(note)
     _say(f"host {config.current_host} ({config.hosts.index(config.current_host) + 1}/"
@@ -123,14 +124,20 @@ def run_training(environ: Mapping[str, str], *, stops: StopSignals | None = None
                              if plan.distributed else 0.0)
     except (OSError, ValueError) as exc:  # exec refused it: no process ran
         return _fail(paths, _launch_failure(exc, plan.argv))
-    elapsed = time.monotonic() - start
+    return _settle(paths, result, plan.argv, grace_s=grace_s, elapsed=time.monotonic() - start)
+
+
+def _settle(paths: Paths, result, argv: Sequence[str], *, grace_s: float,
+            elapsed: float) -> int:
+    """Write exactly one of output/success and output/failure for the training command's
+    result; the toolkit's exit status."""
     if result.stopped_by is not None and result.exit_code != 0:
-        _fail(paths, result_failure(result, plan.argv, grace_s=grace_s))
+        _fail(paths, result_failure(result, argv, grace_s=grace_s))
         _say(f"stopped by signal {result.stopped_by} after {elapsed:.1f}s")
         return 128 + result.stopped_by
     if result.exit_code != 0:
         _say(f"training failed with exit code {result.exit_code} after {elapsed:.1f}s")
-        return _fail(paths, result_failure(result, plan.argv, grace_s=grace_s))
+        return _fail(paths, result_failure(result, argv, grace_s=grace_s))
     _succeed(paths)
     _say(f"training succeeded in {elapsed:.1f}s")
     return 0

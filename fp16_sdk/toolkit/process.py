@@ -297,6 +297,8 @@ def _run(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, grace_s: flo
         marks["stopped"] = stops.at or time.time()
         if settle_s > 0 and tree.workers_done():
             settle_until.append(time.monotonic() + settle_s)
+            _note(f"stop signal {_signal_name(_signum)}: every worker has exited; the launcher "
+                  f"gets up to {settle_s:g} s to finish by itself")
         else:
             tree.signal(signal.SIGTERM)
 
@@ -306,6 +308,7 @@ def _run(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, grace_s: flo
     while proc.poll() is None and ("stopped" not in marks or settle_until):
         if settle_until and (time.monotonic() > settle_until[0] or not tree.workers_done()):
             settle_until.clear()  # the launcher did not finish (or started workers again)
+            _note("the launcher is still running: stopping it")
             tree.signal(signal.SIGTERM)
             break
         tree.refresh()  # remember workers while they live, to reach them if orphaned
@@ -330,6 +333,17 @@ def _run(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, grace_s: flo
                          stopped_by=stops.received if "stopped" in marks else None,
                          sent_signal=tree.sent_to_command, ended_at=marks["ended"],
                          first_error_at=marks.get("error"), stopped_at=marks.get("stopped"))
+
+
+def _note(message: str) -> None:
+    print(f"[toolkit] {message}", flush=True)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 def _end_tree(tree: _Tree, grace_s: float) -> None:
