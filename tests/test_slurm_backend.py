@@ -136,6 +136,27 @@ def test_failing_rank_on_node2_is_reported_as_algo2_within_seconds(slurm_cluster
     assert "boom on algo-2" in desc["FailureReason"]
 
 
+def test_a_pipeline_stage_raising_on_node2_names_algo2_not_its_peer(slurm_cluster, shared):
+    """smp pp=2 over 2 nodes: stage 1 (rank 1, on algo-2) raises at step 3 while stage 0 on
+    algo-1 waits for it; algo-1 then fails too (its peer is gone, or srun kills it). The error
+    is algo-2's ValueError, and fit() returns soon after the raise."""
+    out = shared / "stage-raises"
+    out.mkdir()
+    params = {"pipeline_parallel_degree": 2, "microbatches": 1, "ddp": True,
+              "auto_partition": False, "default_partition": 0}
+    est = _estimator(slurm_cluster, shared, "pp_stage_raises.py",
+                     hyperparameters={"out": str(out)},
+                     distribution={"smdistributed": {"modelparallel": {
+                         "enabled": True, "parameters": params}},
+                         "mpi": {"enabled": True, "processes_per_host": 1}})
+    with pytest.raises(TrainingJobFailedError) as failed:
+        est.fit(logs=False)
+    ended = time.time()
+    assert failed.value.host == "algo-2", failed.value
+    assert "ValueError: boom in stage 1 at step 3" in str(failed.value)
+    assert ended - float((out / "raised_at").read_text()) < 30
+
+
 def test_stop_ends_stopped_with_no_process_left_on_any_node(slurm_cluster, shared):
     est = _estimator(slurm_cluster, shared, "slurm_probe.py", metric_definitions=LOSS,
                      hyperparameters={"ticks": 400, "tick_s": 0.3})
