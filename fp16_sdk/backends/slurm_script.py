@@ -55,12 +55,6 @@ class JobFiles:
         self.record = self.slurm / "job.json"
         self.hosts = self.root / "hosts"
 
-    def attempt(self, restarts: int) -> Path:
-        return self.slurm / f"attempt-{restarts}"
-
-    def node_log(self, restarts: int, node_index: int) -> Path:
-        return self.attempt(restarts) / f"node-{node_index}.log"
-
     def batch_output(self, job_id: str) -> Path:
         return self.slurm / f"batch-{job_id}.out"
 
