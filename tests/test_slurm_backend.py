@@ -296,3 +296,7 @@ def test_max_run_exceeded_ends_in_max_runtime_exceeded(overtime_job):
     desc = overtime_job.describe()
     assert desc["TrainingJobStatus"] == "Failed" and desc["SlurmJobState"] == "TIMEOUT"
     assert desc["FailureReason"].startswith("MaxRuntimeExceeded")
+    # Slurm's SIGTERM reached the toolkit, which stopped its script and wrote why within its
+    # grace (below KillWait), before Slurm's SIGKILL could end it silently.
+    failure = overtime_job.files.hosts / "algo-1" / "output" / "failure"
+    assert "Signal 15 SIGTERM" in failure.read_text(), failure.read_text()
