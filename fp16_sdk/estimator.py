@@ -337,7 +337,8 @@ class Estimator:
 
         The result offers what a finished or running job needs: `latest_training_job`
         (wait/logs/stop/describe), `model_data` and `logs()`. It cannot `fit()` again: it has
-        no entry point. For EC2 jobs pass the `EC2Session` and the job's S3 root.
+        no entry point. For EC2 jobs pass the `EC2Session` and the job's S3 root; for Slurm
+        jobs a `backends.slurm.SlurmSession` with the job's file:// output_path.
 
         Raises:
             BackendError: no such job.

@@ -196,8 +196,8 @@ def test_an_s3_row_packages_in_a_temporary_folder(workdir, monkeypatch):
 
 
 def test_an_unknown_type_is_refused_without_the_row(workdir):
-    with pytest.raises(ConfigError, match="must be 'local_process', 'local', 'local_gpu' or a "
-                                          "SageMaker type"):
+    with pytest.raises(ConfigError, match="must be 'local_process', 'local', 'local_gpu', "
+                                          "'slurm' or a SageMaker type"):
         _estimator(workdir)
 
 
@@ -253,7 +253,7 @@ def test_s3_storage(tmp_path):
     assert S3_STORAGE.resolve_output_path(None, session=session) == "s3://my-bucket/"
     assert S3_STORAGE.resolve_output_path(None) == ""
     with pytest.raises(ConfigError, match=r"file:// works only with instance_type "
-                                          r"'local_process', 'local' or 'local_gpu'"):
+                                          r"'local_process', 'local', 'local_gpu' or 'slurm'"):
         S3_STORAGE.check_location("output_path", "file:///tmp/o", instance_type="ml.c5.xlarge")
     folder = S3_STORAGE.claim("s3://b/", "j")
     try:
@@ -266,7 +266,7 @@ def test_s3_storage(tmp_path):
 def test_file_types_in_messages_follow_the_table(monkeypatch):
     monkeypatch.setitem(base.BACKENDS, "cluster", BackendEntry(
         "cluster", "x:Y", placement=SHARED_FILESYSTEM, instance_types=("cluster",)))
-    with pytest.raises(ConfigError, match="'local', 'local_gpu' or 'cluster'"):
+    with pytest.raises(ConfigError, match="'local_gpu', 'slurm' or 'cluster'"):
         S3_STORAGE.check_channel("train", "file:///data", instance_type="ml.c5.xlarge")
 
 

@@ -296,6 +296,8 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
                  placement=S3_STORAGE, needs_image=True, heterogeneous=True),
     BackendEntry("ec2", "fp16_sdk.backends.ec2:EC2Backend", placement=S3_STORAGE,
                  needs_image=True),
+    BackendEntry("slurm", "fp16_sdk.backends.slurm:SlurmBackend", placement=SHARED_FILESYSTEM,
+                 instance_types=("slurm",)),
 )}
 # The types whose jobs stay on this machine, as the table stands at import.
 LOCAL_TYPES = tuple(t for e in BACKENDS.values() if isinstance(e.placement, LocalFolders)
@@ -325,6 +327,8 @@ def backend_entry(instance_type: str | None, *, session: Any = None) -> BackendE
         if instance_type in entry.instance_types:
             return entry
     name = getattr(session, "backend_name", "sagemaker")
+    if instance_type is None and name in BACKENDS:  # attach: the session names the backend
+        return BACKENDS[name]
     remote = session_backends()
     if name not in remote:
         raise ConfigError(f"sagemaker_session.backend_name={name!r} names no remote backend; "

@@ -3,7 +3,8 @@
 A SageMaker-style smp script (torchrun or the fit() toolkit launches it): it resumes from the
 newest checkpoint in the checkpoint folder when there is one, saves every --checkpoint_every
 steps (model, optimizer, LR scheduler and the loss history), and can die hard (SIGKILL on
-rank 0) right after the save at --die_at. Rank 0 writes {"loss", "loss_scale", "skipped",
+rank 0) right after the save at --die_at, or pause --pause_s after step --pause_at (a first
+run only: a window to requeue it in). Rank 0 writes {"loss", "loss_scale", "skipped",
 "resumed_at", "final_loss_scale", "weights_sha256"} to --out (default SM_OUTPUT_DATA_DIR/
 history.json) and the gathered full state dict to SM_MODEL_DIR/model.pt; --full_tag also
 saves a full checkpoint (partial=False) with that tag at the end.
@@ -15,6 +16,7 @@ import io
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,9 @@ def parse_args():
     p.add_argument("--checkpoint_every", type=int, default=0)
     p.add_argument("--keep", type=int, default=0, help="num_kept_partial_checkpoints (0: all)")
     p.add_argument("--die_at", type=int, default=0)
+    p.add_argument("--pause_at", type=int, default=0,
+                   help="sleep --pause_s after this step (first run only: not after a resume)")
+    p.add_argument("--pause_s", type=float, default=0.0)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--ckpt_dir", default=None)
     p.add_argument("--out", default=None)
@@ -122,6 +127,9 @@ def main():
                                 optimizer=opt, num_kept_partial_checkpoints=args.keep or None,
                                 user_content={"step": step + 1, "history": hist,
                                               "lr_scheduler": sched.state_dict()})
+        if args.pause_at and step + 1 == args.pause_at and not hist["resumed_at"]:
+            print(f"pausing after step {step + 1}", flush=True)
+            time.sleep(args.pause_s)  # a window in which a test requeues the job
         if args.die_at and step + 1 == args.die_at and smp.rank() == 0:
             print(f"dying at step {step + 1}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,243 @@
+"""`instance_type="slurm"`: the job runs on the user's own Slurm cluster, one toolkit per node.
+
+`submit` checks everything it can before anything reaches Slurm (options, file:// locations on
+the shared filesystem, the stop grace against the cluster's KillWait), lays out each host's
+/opt/ml in the job folder `<output_path>/<job>/` exactly as the local modes do
+(`local_common.lay_out_host`), writes the batch and node scripts (`slurm_script`) and runs
+`sbatch` through `submit_command`. The handle (`slurm_job.SlurmJob`) follows the job; the job
+itself belongs to Slurm and outlives this process. `attach` finds a job again by name from its
+folder's record, from any process that sees the shared filesystem.
+
+Locations: output_path must be file:// on storage that every node and this machine see at the
+same path. file:// channels under output_path's folder or under `shared_paths` are used in
+place; other file:// channels are copied into the job folder first. s3:// channels, outputs and
+checkpoints are refused before submission: the nodes are not assumed to hold AWS credentials
+or network access to S3, and the SDK would have to stage the data on the shared filesystem
+anyway (copy it there with `aws s3 sync` and pass file://).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fp16_sdk import contract
+from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends import slurm_script as script
+from fp16_sdk.backends.base import SHARED_FILESYSTEM, Backend, Channel, JobSpec
+from fp16_sdk.backends.slurm_job import SlurmJob, read_record
+from fp16_sdk.backends.slurm_options import OPTIONS, SlurmOptions
+from fp16_sdk.backends.slurm_status import SlurmCli
+from fp16_sdk.errors import BackendError, ConfigError
+
+__all__ = ["SlurmBackend", "SlurmSession", "SlurmJob", "SlurmOptions"]
+
+log = logging.getLogger(__name__)
+
+
+class SlurmSession:
+    """Where Slurm jobs are found again: `Estimator.attach(name, sagemaker_session=...)`.
+
+    Args:
+        output_path: the estimator's output_path (file:// on the shared filesystem).
+        submit_command: the argv prefix for Slurm's commands (default: the one the job was
+            submitted with, from its record).
+    """
+
+    backend_name = "slurm"
+
+    def __init__(self, *, output_path: str, submit_command: Sequence[str] | None = None):
+        if not isinstance(output_path, str) or not output_path.startswith("file://"):
+            raise ConfigError(f"SlurmSession output_path={output_path!r} must be the job's "
+                              "file:// output_path on the shared filesystem",
+                              key="output_path", value=output_path)
+        self.output_path = output_path
+        self.submit_command = None if submit_command is None else list(submit_command)
+
+
+def _under(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == r or r in path.parents for r in roots)
+
+
+class SlurmBackend(Backend):
+    """Submits jobs to Slurm with sbatch (see the module docstring)."""
+
+    NAME = "slurm"
+    OPTIONS = OPTIONS
+
+    def __init__(self, session: Any = None):
+        self.session = session
+
+    @classmethod
+    def from_choice(cls, *, instance_type: str | None, session: Any) -> "SlurmBackend":
+        return cls(session)
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> SlurmOptions:
+        return SlurmOptions.parse(options)
+
+    # ---- checks ------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_output_path(spec: JobSpec) -> None:
+        if not spec.output_path.startswith("file:///"):
+            raise ConfigError(f"output_path={spec.output_path!r} must be a file:// folder on "
+                              "the shared filesystem every Slurm node sees at the same path, "
+                              "such as 'file:///shared/jobs'", key="output_path",
+                              value=spec.output_path)
+
+    @staticmethod
+    def _check_locations(spec: JobSpec, shared: Sequence[Path]) -> None:
+        for ch in spec.channels:
+            if not ch.uri.startswith("file://"):
+                raise ConfigError(f"inputs[{ch.name!r}]={ch.uri!r}: the Slurm backend reads "
+                                  "file:// channels only; copy the data to the shared "
+                                  "filesystem (aws s3 sync ...) and pass file://",
+                                  key="inputs", value=ch.uri)
+        for key in ("checkpoint_s3_uri", "checkpoint_local_path"):
+            value = getattr(spec, key)
+            if value is None:
+                continue
+            if value.startswith("s3://") or not _under(lc.local_path(value), shared):
+                raise ConfigError(
+                    f"{key}={value!r} must be a folder on the shared filesystem, under "
+                    f"output_path's folder or a backend_options['shared_paths'] entry "
+                    f"({', '.join(map(str, shared))}), so that a requeued job on other "
+                    "nodes finds its checkpoints", key=key, value=value)
+
+    def _stop_grace(self, options: SlurmOptions, cli: SlurmCli) -> float:
+        kill_wait = cli.kill_wait()
+        if kill_wait is None:
+            raise BackendError("`scontrol show config` printed no KillWait; check "
+                               "backend_options['submit_command']")
+        grace = options.stop_grace_s if options.stop_grace_s is not None else kill_wait / 2
+        if grace >= kill_wait:
+            raise ConfigError(f"backend_options['stop_grace_s']={grace:g} must be below the "
+                              f"cluster's KillWait ({kill_wait} s), or Slurm kills the toolkit "
+                              "before it records why the job ended; leave it unset for "
+                              f"{kill_wait / 2:g}", key="stop_grace_s", value=grace)
+        return grace
+
+    # ---- the job folder ----------------------------------------------------------------
+
+    @staticmethod
+    def _stage_channels(spec: JobSpec, files: script.JobFiles,
+                        shared: Sequence[Path]) -> tuple[Channel, ...]:
+        staged = []
+        for ch in spec.channels:
+            src = ch.local_path.resolve()
+            if not _under(src, shared):
+                dest = files.root / "channels" / ch.name
+                log.info("job %s: copying channel %s from %s into the job folder (it is not "
+                         "under a shared path)", spec.job_name, ch.name, src)
+                if src.is_dir():
+                    shutil.copytree(src, dest, symlinks=False)
+                else:
+                    dest.mkdir(parents=True)
+                    shutil.copy2(src, dest / src.name)
+                    dest = dest / src.name
+                ch = dataclasses.replace(ch, uri="file://" + str(dest))
+            staged.append(ch)
+        return tuple(staged)
+
+    def _lay_out(self, spec: JobSpec, files: script.JobFiles, shared: Sequence[Path]) -> JobSpec:
+        source = files.root / "source" / contract.SOURCEDIR_NAME
+        if Path(spec.sourcedir).resolve() != source:
+            source.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(spec.sourcedir, source)
+        spec = dataclasses.replace(spec, channels=self._stage_channels(spec, files, shared))
+        hps = dict(spec.hyperparameters)
+        hps["sagemaker_submit_directory"] = json.dumps("file://" + str(source))
+        for host in spec.hosts:
+            lc.lay_out_host(spec, host, root=files.hosts / host, network_interface_name="eth0",
+                            hyperparameters=hps)
+        return dataclasses.replace(spec, hyperparameters=hps, sourcedir=source)
+
+    # ---- submit and attach -------------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> SlurmJob:
+        """Check, lay out the job folder, write the scripts and sbatch them.
+
+        Raises:
+            ConfigError: a location off the shared filesystem, a bad option, a used job name,
+                a stop grace not below KillWait; nothing was submitted.
+            BackendError: a Slurm command failed (its argv and Slurm's words in the message).
+        """
+        options = SlurmOptions.parse(spec.backend_options)
+        SHARED_FILESYSTEM.check_request(spec)  # the table row's rules, for hand-built specs too
+        self._check_output_path(spec)  # first: the shared paths start from it
+        files = script.JobFiles(lc.job_dir(spec))
+        shared = (files.root.parent, *options.shared_paths)
+        self._check_locations(spec, shared)
+        script.check_job_dir(files.root)
+        if files.record.exists():
+            raise ConfigError(f"job_name={spec.job_name!r} is already used ({files.root} holds "
+                              "a Slurm job); pick a new name or leave job_name unset",
+                              key="job_name", value=spec.job_name)
+        cli = SlurmCli(options.submit_command)
+        grace = self._stop_grace(options, cli)
+        files.slurm.mkdir(parents=True, exist_ok=True)
+        spec = self._lay_out(spec, files, shared)
+        files.batch.write_text(script.batch_script(
+            job_name=spec.job_name, nodes=spec.instance_count, max_run=spec.max_run,
+            options=options, files=files, stop_grace_s=grace,
+            mounts=sorted({files.root.parent, *options.shared_paths})))
+        files.node.touch(mode=0o600)  # it holds the environment's values: the owner's only
+        files.node.write_text(script.node_script(
+            job_name=spec.job_name, files=files, environment=spec.environment,
+            gpus=bool(options.gpus_per_node)))
+        submitted = dt.datetime.now(dt.timezone.utc)
+        job_id = cli.submit(script.sbatch_argv(options, files))
+        _write_record(files, spec, job_id=job_id, submitted=submitted)
+        log.info("job %s: Slurm job %s submitted (%s)", spec.job_name, job_id, files.root)
+        return SlurmJob(spec, files=files, job_id=job_id, cli=cli, submitted=submitted)
+
+    def attach(self, job_name: str) -> SlurmJob:
+        """A handle on a Slurm job submitted by any process, found by its name.
+
+        Raises:
+            ConfigError: the session is not a SlurmSession.
+            BackendError: no Slurm job of that name in the session's output_path.
+        """
+        if not isinstance(self.session, SlurmSession):
+            raise ConfigError("attaching to a Slurm job needs sagemaker_session=SlurmSession("
+                              "output_path='file:///shared/jobs')", key="sagemaker_session",
+                              value=self.session)
+        files = script.JobFiles(lc.local_path(self.session.output_path) / job_name)
+        try:
+            record = read_record(files)
+        except (OSError, ValueError) as exc:
+            raise BackendError(f"no Slurm job {job_name!r} under {self.session.output_path} "
+                               f"({files.record}: {exc})") from exc
+        prefix = self.session.submit_command
+        cli = SlurmCli(record["submit_command"] if prefix is None else prefix)
+        spec = JobSpec(**record["spec"], sourcedir=files.root / "source" / contract.SOURCEDIR_NAME)
+        return SlurmJob(spec, files=files, job_id=record["job_id"], cli=cli,
+                        submitted=dt.datetime.fromisoformat(record["submitted"]))
+
+
+_RECORDED = ("job_name", "instance_type", "instance_count", "hyperparameters", "entry_point",
+             "output_path", "image_uri", "max_run", "input_mode", "volume_size",
+             "metric_definitions", "backend_options")
+
+
+def _write_record(files: script.JobFiles, spec: JobSpec, *, job_id: str,
+                  submitted: dt.datetime) -> None:
+    """slurm/job.json: what attach needs (written atomically, after sbatch answered)."""
+    record = {
+        "job_id": job_id, "submitted": submitted.isoformat(),
+        "submit_command": list(SlurmOptions.parse(spec.backend_options).submit_command),
+        "spec": {k: getattr(spec, k) for k in _RECORDED},
+    }
+    record["spec"]["hyperparameters"] = dict(spec.hyperparameters)
+    record["spec"]["metric_definitions"] = [dict(m) for m in spec.metric_definitions]
+    record["spec"]["backend_options"] = dict(spec.backend_options)
+    tmp = files.record.with_name(files.record.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=list) + "\n")
+    os.replace(tmp, files.record)
