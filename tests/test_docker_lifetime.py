@@ -409,3 +409,31 @@ def test_prune_takes_only_an_sdk_known_to_be_dead():
     for foreign in (f"{boot}/pid:[1]/{ended.pid}/{ended_start}",
                     f"other-boot/{ns}/{ended.pid}/{ended_start}", "garbage", ""):
         assert not local_docker_reaper.sdk_gone(foreign), foreign
+
+
+@pytest.mark.docker
+def test_the_prune_command_removes_a_dead_sdks_job_and_leaves_a_live_ones(client, tmp_path):
+    """The documented one-liner, on two networks labelled as jobs (cheaper than containers,
+    the same label path): one of an SDK process that ended, one of this live process."""
+    ended = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    with open(f"/proc/{ended.pid}/stat", "rb") as f:
+        ended_start = f.read().rsplit(b")", 1)[1].split()[19].decode()
+    ended.kill()
+    ended.wait()
+    live = local_docker_reaper.sdk_label()[local_docker_reaper.LABEL_SDK]
+    dead = "/".join(live.split("/")[:2] + [str(ended.pid), ended_start])
+    jobs = {f"life-{uuid.uuid4().hex[:10]}": owner for owner in (dead, live)}
+    try:
+        for job, owner in jobs.items():
+            client.networks.create(f"fp16-sdk-{job}", labels={
+                local_docker_job.LABEL_JOB: job, local_docker_reaper.LABEL_SDK: owner})
+        pruned = subprocess.run([sys.executable, "-m", "fp16_sdk.backends.local_docker_reaper",
+                                 "--prune"], cwd=REPO, env=_environ(), capture_output=True,
+                                text=True, timeout=60)
+        assert pruned.returncode == 0, pruned.stderr
+        dead_job, live_job = jobs
+        assert not _leftovers(client, dead_job) and f"fp16-sdk-{dead_job}" in pruned.stdout
+        assert _leftovers(client, live_job) == [f"fp16-sdk-{live_job}"], pruned.stdout
+    finally:
+        for job in jobs:
+            _remove_labelled(client, job)
