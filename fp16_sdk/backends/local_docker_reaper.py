@@ -82,6 +82,7 @@ class Reaper:
         finally:
             os.close(read_end)
         self._lock = threading.Lock()
+        self._owner = os.getpid()
 
     @property
     def pid(self) -> int:
@@ -93,7 +94,10 @@ class Reaper:
         return self._proc.poll()
 
     def release(self) -> None:
-        """The job is over and cleaned up by the SDK: tell the watchdog to exit (idempotent)."""
+        """The job is over and cleaned up by the SDK: tell the watchdog to exit (idempotent;
+        nothing in a child forked from the SDK, which must not release the SDK's watchdog)."""
+        if os.getpid() != self._owner:
+            return
         with self._lock:
             if self._write_end is None:
                 return

@@ -60,8 +60,11 @@ def hold(fd: int) -> int:
 
 
 def let_go(fd: int) -> None:
-    """Close a descriptor given to `hold` (the job is over)."""
+    """Close a descriptor given to `hold` (the job is over); nothing in a forked child, where
+    it is closed already and its number may belong to another file by now."""
     with _LOCK:
+        if fd not in _HELD:
+            return
         _HELD.discard(fd)
     os.close(fd)
 
@@ -76,6 +79,7 @@ class HostLifelines:
 
     def __init__(self, folder: Path, hosts: Iterable[str]):
         self.folder = folder
+        self._owner = os.getpid()  # a forked child must not remove the SDK's FIFOs
         self._fds: list[int] = []
         try:
             for host in hosts:
@@ -96,6 +100,8 @@ class HostLifelines:
 
     def close(self) -> None:
         """Let go of every FIFO (idempotent) and remove them."""
+        if os.getpid() != self._owner:
+            return
         while self._fds:
             let_go(self._fds.pop())
         shutil.rmtree(self.folder, ignore_errors=True)
