@@ -27,7 +27,8 @@ __all__ = [
     "INPUT_DATA_CONFIG_FILE", "CONFIG_FILES", "DEFAULT_GROUP", "DEFAULT_MASTER_PORT",
     "SOURCEDIR_NAME", "FAILURE_REASON_LIMIT", "SAGEMAKER_KEYS", "DISTRIBUTION_FLAGS",
     "JOB_NAME_VAR", "HOST_ADDRESSES_VAR", "MASTER_PORT_VAR", "LIFELINE_FD_VAR",
-    "STOP_GRACE_VAR", "LIFELINE_PATH_VAR", "MAX_RUN_VAR", "Layout", "ChannelLike", "resource_config", "input_data_config",
+    "STOP_GRACE_VAR", "LIFELINE_PATH_VAR", "MAX_RUN_VAR", "Layout", "ChannelLike",
+    "resource_config", "input_data_config",
     "config_text", "config_files", "code_uri", "sm_variable", "describe_training_job",
 ]
 

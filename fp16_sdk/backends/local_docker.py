@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import logging
 import os
 import re
 import shutil
@@ -49,15 +48,13 @@ from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import Backend, Channel, JobSpec, refuse_unknown_options
 from fp16_sdk.backends.local_docker_job import (ENDING_GRACE_S, LABEL_HOST, LABEL_JOB, DockerJob,
                                                 job_labels)
-from fp16_sdk.backends.local_docker_reaper import Reaper, engine_url, prune
+from fp16_sdk.backends.local_docker_reaper import Reaper, engine_url, prune_quietly
 from fp16_sdk.backends.local_lifeline import CONTAINER_DIR, CONTAINER_PATH, HostLifelines
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.packaging import safe_extract
 
 __all__ = ["LocalDockerBackend", "DockerOptions", "OPTIONS", "LABEL_JOB",
            "LABEL_HOST", "container_name", "network_name", "gpu_requests"]
-
-log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 OPTIONS = {
@@ -238,7 +235,7 @@ class LocalDockerBackend(Backend):
         """Everything `submit` does except starting the containers (inspect them, then
         `job.start()` or `job.discard()`). Skips the NVIDIA runtime check, so a `local_gpu`
         configuration can be inspected on a machine without GPUs."""
-        _prune_orphans(self.client)
+        prune_quietly(self.client, grace=ENDING_GRACE_S)  # what jobs of dead SDKs left
         image, options = self._preflight(spec)
         jd = lc.job_dir(spec)
         hps = dict(spec.hyperparameters)
@@ -377,18 +374,6 @@ class LocalDockerBackend(Backend):
             network=net, networking_config={
                 net: self.client.api.create_endpoint_config(aliases=[host])},
             stop_signal="SIGTERM", **gpu_extra)
-
-
-def _prune_orphans(client: Any) -> None:
-    """Remove what jobs of dead SDK processes left on this engine (never a live job's)."""
-    try:
-        gone = prune(client, grace=ENDING_GRACE_S)
-    except Exception as exc:  # noqa: BLE001 - a leftover must not block a new job
-        log.warning("could not remove leftovers of earlier jobs on the Docker engine (%s); "
-                    "`python -m fp16_sdk.backends.local_docker_reaper --prune` retries", exc)
-        return
-    if gone:
-        log.info("removed what jobs of dead SDK processes left: %s", ", ".join(gone))
 
 
 def _channel_source(spec: JobSpec, ch: Channel, host: str, jd: Path) -> Path:

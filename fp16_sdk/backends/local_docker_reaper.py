@@ -30,6 +30,7 @@ before these labels existed is never touched.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -40,8 +41,10 @@ from typing import Any
 
 from fp16_sdk.backends import local_lifeline
 
-__all__ = ["Reaper", "engine_url", "reap", "prune", "sdk_label", "sdk_gone", "main",
-           "LABEL_SDK"]
+__all__ = ["Reaper", "engine_url", "reap", "prune", "prune_quietly", "sdk_label", "sdk_gone",
+           "main", "LABEL_SDK"]
+
+log = logging.getLogger(__name__)
 
 LABEL_JOB = "fp16_sdk.job"  # the same label as local_docker_job.LABEL_JOB (a test checks it)
 LABEL_SDK = "fp16_sdk.sdk"  # the SDK process that owns the job, see `sdk_label`
@@ -186,6 +189,18 @@ def prune(client: Any, *, grace: int) -> list[str]:
         if sdk_gone(owner):
             gone += reap(client, job, grace=grace)
     return gone
+
+
+def prune_quietly(client: Any, *, grace: int) -> None:
+    """`prune` for a new job: a failure is logged, never raised (a leftover must not block)."""
+    try:
+        gone = prune(client, grace=grace)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not remove leftovers of earlier jobs on the Docker engine (%s); "
+                    "`python -m fp16_sdk.backends.local_docker_reaper --prune` retries", exc)
+        return
+    if gone:
+        log.info("removed what jobs of dead SDK processes left: %s", ", ".join(gone))
 
 
 def _name(container: Any) -> str:
