@@ -123,6 +123,10 @@ def _start_driver(tmp_path: Path, instance_type: str, *, options: dict | None = 
         if driver.poll() is not None or time.monotonic() > deadline:
             driver.kill()
             driver.wait()
+            # A child the driver forked (mode "fork") holds its stderr open: end it first
+            # (not the watchdog: it removes the job's containers now).
+            kill_all([p for p in with_env("DOCKER_LIFETIME_RUN", marker)
+                      if "local_docker_reaper" not in p.cmdline])
             pytest.fail(f"the hosts did not start within 120 s (exit {driver.returncode}): "
                         + driver.stderr.read().decode(errors="replace")[-3000:])
         time.sleep(0.2)
