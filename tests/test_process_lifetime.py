@@ -269,6 +269,15 @@ def test_the_toolkit_stops_at_its_max_run(tmp_path):
     assert (base / "output" / "failure").read_text().startswith("ExitCode 143")
 
 
+def test_a_bad_max_run_variable_is_a_failure_naming_it(tmp_path):
+    base = make_job(tmp_path, {"train.py": "print('ran')\n"}, {})
+    proc = subprocess.run([sys.executable, "-m", "fp16_sdk.toolkit"], capture_output=True,
+                          text=True, timeout=60, env=toolkit_env(base, FP16_SDK_MAX_RUN_S="0"))
+    assert proc.returncode == 1 and "ran" not in proc.stdout, proc.stdout
+    assert "FP16_SDK_MAX_RUN_S must be a number of seconds > 0, got '0'" in \
+        (base / "output" / "failure").read_text()
+
+
 def test_the_toolkit_stops_when_the_sdk_fifo_closes_and_ignores_an_unconnected_one(tmp_path):
     """FP16_SDK_LIFELINE_PATH (a FIFO local Docker mounts into each container): end of file
     after the SDK's first byte stops the tree; a FIFO nobody holds (an engine in another
