@@ -31,9 +31,10 @@ __all__ = [
     "INPUT_DATA_CONFIG_FILE", "CONFIG_FILES", "DEFAULT_GROUP", "DEFAULT_MASTER_PORT",
     "SOURCEDIR_NAME", "FAILURE_REASON_LIMIT", "SAGEMAKER_KEYS", "DISTRIBUTION_FLAGS",
     "JOB_NAME_VAR", "HOST_ADDRESSES_VAR", "MASTER_PORT_VAR", "LIFELINE_FD_VAR",
-    "STOP_GRACE_VAR", "FAILURE_EXIT_CODE", "FAILURE_AT", "FAILURE_SIGNAL",
-    "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "SIGNAL_AFTER_ERROR", "FailureHeader", "failure_header",
-    "parse_failure_header", "Layout", "ChannelLike", "resource_config", "input_data_config",
+    "STOP_GRACE_VAR", "LIFELINE_PATH_VAR", "MAX_RUN_VAR", "FAILURE_EXIT_CODE", "FAILURE_AT",
+    "FAILURE_SIGNAL", "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "SIGNAL_AFTER_ERROR",
+    "FailureHeader", "failure_header", "parse_failure_header", "Layout", "ChannelLike",
+    "resource_config", "input_data_config",
     "config_text", "config_files", "code_uri", "sm_variable", "describe_training_job",
 ]
 
@@ -57,6 +58,8 @@ HOST_ADDRESSES_VAR = "FP16_SDK_HOST_ADDRESSES"  # JSON {host: address}; skips th
 MASTER_PORT_VAR = "FP16_SDK_MASTER_PORT"        # rendezvous port instead of 7777
 LIFELINE_FD_VAR = "FP16_SDK_LIFELINE_FD"        # a pipe's read end: EOF means the SDK died
 STOP_GRACE_VAR = "FP16_SDK_STOP_GRACE_S"        # seconds between SIGTERM and SIGKILL
+LIFELINE_PATH_VAR = "FP16_SDK_LIFELINE_PATH"    # a FIFO only the SDK writes: EOF, it died
+MAX_RUN_VAR = "FP16_SDK_MAX_RUN_S"              # the toolkit stops its tree after this long
 
 # ---- hyperparameter names ------------------------------------------------------------------
 

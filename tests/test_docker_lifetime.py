@@ -51,14 +51,21 @@ open(os.path.join(os.environ["SM_MODEL_DIR"], "started"), "w").close()
 time.sleep(3600)
 '''
 
+# mode "fork": fit(wait=False), then fork a child without exec; both sleep until killed.
 DRIVER = r'''
-import json, sys
+import json, os, sys, time
 from fp16_sdk.pytorch import PyTorch
-src, out, name, instance_type, options, env = sys.argv[1:7]
+src, out, name, instance_type, options, env, mode = sys.argv[1:8]
 est = PyTorch("train.py", framework_version="2.13.0", py_version="py311", source_dir=src,
               instance_type=instance_type, instance_count=2, output_path="file://" + out,
-              backend_options=json.loads(options), environment=json.loads(env))
-est.fit(logs=False, job_name=name)
+              backend_options=json.loads(options), environment=json.loads(env),
+              image_uri=os.environ.get("FP16_SDK_TEST_IMAGE") or None)
+if mode == "fork":
+    est.fit(wait=False, logs=False, job_name=name)
+    os.fork()
+    time.sleep(3600)
+else:
+    est.fit(logs=False, job_name=name)
 '''
 
 
@@ -80,10 +87,11 @@ def _clean_up(client, driver, procs, marker: str, name: str) -> None:
 
 
 def _remove_labelled(client, job: str) -> None:
-    """Best effort after a failed test (the session's leak check in conftest reports it)."""
+    """Best effort after a failed test (the session's leak check in conftest reports it);
+    a watchdog may be removing the same containers (409 "already in progress")."""
     label = {"label": f"{local_docker_job.LABEL_JOB}={job}"}
     for container in client.api.containers(all=True, filters=label):
-        with contextlib.suppress(docker.errors.NotFound):
+        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
             client.api.remove_container(container["Id"], force=True)
     for network in client.api.networks(filters=label):
         with contextlib.suppress(docker.errors.NotFound):
@@ -91,7 +99,8 @@ def _remove_labelled(client, job: str) -> None:
 
 
 def _start_driver(tmp_path: Path, instance_type: str, *, options: dict | None = None,
-                  env: dict | None = None) -> tuple[subprocess.Popen, Path, str, str]:
+                  env: dict | None = None,
+                  mode: str = "wait") -> tuple[subprocess.Popen, Path, str, str]:
     """A fit() process running SLEEPER on 2 hosts; returns once both hosts have started.
 
     `options` defaults to a 3 s grace between SIGTERM and SIGKILL."""
@@ -102,7 +111,8 @@ def _start_driver(tmp_path: Path, instance_type: str, *, options: dict | None = 
     (src / "train.py").write_text(SLEEPER)
     name, marker = f"life-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(src), str(out), name,
-                               instance_type, json.dumps(options), json.dumps(env or {})],
+                               instance_type, json.dumps(options), json.dumps(env or {}),
+                               mode],
                               cwd=REPO,
                               env={**_environ(), "DOCKER_LIFETIME_RUN": marker},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -113,6 +123,10 @@ def _start_driver(tmp_path: Path, instance_type: str, *, options: dict | None = 
         if driver.poll() is not None or time.monotonic() > deadline:
             driver.kill()
             driver.wait()
+            # A child the driver forked (mode "fork") holds its stderr open: end it first
+            # (not the watchdog: it removes the job's containers now).
+            kill_all([p for p in with_env("DOCKER_LIFETIME_RUN", marker)
+                      if "local_docker_reaper" not in p.cmdline])
             pytest.fail(f"the hosts did not start within 120 s (exit {driver.returncode}): "
                         + driver.stderr.read().decode(errors="replace")[-3000:])
         time.sleep(0.2)
@@ -139,6 +153,11 @@ def _sigterm_artifacts_of_local_process(tmp_path: Path) -> dict[str, dict[str, b
             driver.wait()
     assert driver.returncode == -signal.SIGTERM, driver.stderr.read().decode(errors="replace")
     return {kind: _members(job_dir / "output" / f"{kind}.tar.gz") for kind in ("model", "output")}
+
+
+def _running(client, job: str) -> list[str]:
+    label = {"label": f"{local_docker_job.LABEL_JOB}={job}", "status": "running"}
+    return [c["Names"][0] for c in client.api.containers(filters=label)]
 
 
 def test_the_watchdog_uses_the_jobs_label():
@@ -289,3 +308,136 @@ def _environ() -> dict[str, str]:
 
 def _session() -> str:
     return os.environ["FP16_SDK_TEST_SESSION"]
+
+
+# ---- issue 35: the SDK and its watchdog killed together, forked children, max_run ----------
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_a_job_whose_sdk_and_watchdog_die_together_stops_and_the_next_fit_removes_it(
+        client, tmp_path):
+    """A whole-tree kill (cgroup, CI cancel, OOM killer): nobody outside the containers is
+    left. Each toolkit sees its FIFO lifeline end and stops its tree as on SIGTERM, so no
+    container runs 30 s later; the stopped containers and the network stay until the next
+    fit() on the engine, which removes them (their SDK, named by the fp16_sdk.sdk label, is
+    gone) and only them."""
+    driver, job_dir, name, marker = _start_driver(tmp_path / "docker", "local")
+    procs: list = []
+    try:
+        procs = with_env("DOCKER_LIFETIME_RUN", marker)
+        watchdogs = [p for p in procs if "local_docker_reaper" in p.cmdline]
+        assert len(watchdogs) == 1, [p.cmdline for p in procs]
+        start = time.monotonic()
+        os.kill(watchdogs[0].pid, signal.SIGKILL)  # first: it must not act on the SDK's death
+        os.kill(driver.pid, signal.SIGKILL)
+        assert not wait_gone(procs, GONE_WITHIN_S), "the SDK or its watchdog survived SIGKILL"
+        while _running(client, name) and time.monotonic() - start < 30:
+            time.sleep(0.5)
+        took = time.monotonic() - start
+        assert not _running(client, name), f"still running {took:.1f}s after the kill"
+        print(f"SDK and watchdog killed: the containers stopped themselves after {took:.2f}s")
+        assert len(_leftovers(client, name)) == 3  # stopped, not removed: nobody was left
+        # Each toolkit stopped as on SIGTERM: it wrote its failure file.
+        assert len(list((job_dir / "hosts").glob("algo-*/output/failure"))) == 2
+        (tmp_path / "next").mkdir()
+        est = _estimator(tmp_path / "next", "print('hello')\n", instance_count=1)
+        est.fit(logs=False, job_name=f"life-{uuid.uuid4().hex[:10]}")
+        assert est.latest_training_job.status.value == "Completed"
+        assert not _leftovers(client, name)
+    finally:
+        _clean_up(client, driver, procs, marker, name)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_a_child_forked_without_exec_does_not_keep_a_docker_job_alive(client, tmp_path):
+    """fit(wait=False), then os.fork(): the child inherits the watchdog's pipe and the FIFOs;
+    it closes them right after the fork, so killing the SDK still removes the job."""
+    driver, _, name, marker = _start_driver(tmp_path, "local", mode="fork")
+    forked: list = []
+    try:
+        forked = [p for p in with_env("DOCKER_LIFETIME_RUN", marker)
+                  if p.ppid == driver.pid and "local_docker_reaper" not in p.cmdline]
+        assert len(forked) == 1, [p.cmdline for p in forked]
+        start = time.monotonic()
+        driver.kill()
+        while _leftovers(client, name) and time.monotonic() - start < GONE_WITHIN_S:
+            time.sleep(0.2)
+        took = time.monotonic() - start
+        assert not _leftovers(client, name), f"still there {took:.1f}s after SIGKILL"
+        assert wait_gone(forked, 0)  # the forked child lives on: only the SDK's death counts
+        print(f"SIGKILL with a forked child alive: the job was gone after {took:.2f}s")
+    finally:
+        _clean_up(client, driver, forked, marker, name)
+
+
+@pytest.mark.docker
+def test_a_job_past_max_run_is_stopped_as_max_runtime_exceeded(client, tmp_path):
+    """As SageMaker at MaxRuntimeInSeconds: SIGTERM, the job ends Stopped with SecondaryStatus
+    MaxRuntimeExceeded (fit() returns, as SageMaker's does for a stopped job), the artifacts
+    are collected and the containers removed."""
+    script = ("import os, time\n"
+              "open(os.path.join(os.environ['SM_MODEL_DIR'], 'started'), 'w').close()\n"
+              "time.sleep(3600)\n")
+    name = f"life-{uuid.uuid4().hex[:10]}"
+    est = _estimator(tmp_path, script, instance_count=1, max_run=12,
+                     backend_options={"stop_timeout": 2})
+    try:
+        start = time.monotonic()
+        est.fit(logs=False, job_name=name)
+        took = time.monotonic() - start
+    finally:
+        _remove_labelled(client, name)
+    desc = est.latest_training_job.describe()
+    assert (desc["TrainingJobStatus"], desc["SecondaryStatus"]) == ("Stopped",
+                                                                   "MaxRuntimeExceeded"), desc
+    assert 12 <= took < 12 + GONE_WITHIN_S + 20, took  # 20 s: starting the container
+    assert "started" in _members(tmp_path / "out" / name / "output" / "model.tar.gz")
+    assert not _leftovers(client, name)
+
+
+def test_prune_takes_only_an_sdk_known_to_be_dead():
+    """`sdk_gone` against the real /proc: this process is alive; a process that ended is gone;
+    a label from another boot or pid namespace (another machine's or container's SDK on a
+    shared engine) or one it cannot read is never taken for dead."""
+    label = local_docker_reaper.sdk_label()[local_docker_reaper.LABEL_SDK]
+    boot, ns, pid, start = label.split("/")
+    assert int(pid) == os.getpid() and not local_docker_reaper.sdk_gone(label)
+    ended = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    with open(f"/proc/{ended.pid}/stat", "rb") as f:
+        ended_start = f.read().rsplit(b")", 1)[1].split()[19].decode()
+    ended.kill()
+    ended.wait()
+    assert local_docker_reaper.sdk_gone(f"{boot}/{ns}/{ended.pid}/{ended_start}")
+    assert local_docker_reaper.sdk_gone(f"{boot}/{ns}/{pid}/{int(start) + 1}")  # a reused pid
+    for foreign in (f"{boot}/pid:[1]/{ended.pid}/{ended_start}",
+                    f"other-boot/{ns}/{ended.pid}/{ended_start}", "garbage", ""):
+        assert not local_docker_reaper.sdk_gone(foreign), foreign
+
+
+@pytest.mark.docker
+def test_the_prune_command_removes_a_dead_sdks_job_and_leaves_a_live_ones(client, tmp_path):
+    """The documented one-liner, on two networks labelled as jobs (cheaper than containers,
+    the same label path): one of an SDK process that ended, one of this live process."""
+    ended = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    with open(f"/proc/{ended.pid}/stat", "rb") as f:
+        ended_start = f.read().rsplit(b")", 1)[1].split()[19].decode()
+    ended.kill()
+    ended.wait()
+    live = local_docker_reaper.sdk_label()[local_docker_reaper.LABEL_SDK]
+    dead = "/".join(live.split("/")[:2] + [str(ended.pid), ended_start])
+    jobs = {f"life-{uuid.uuid4().hex[:10]}": owner for owner in (dead, live)}
+    try:
+        for job, owner in jobs.items():
+            client.networks.create(f"fp16-sdk-{job}", labels={
+                local_docker_job.LABEL_JOB: job, local_docker_reaper.LABEL_SDK: owner})
+        pruned = subprocess.run([sys.executable, "-m", "fp16_sdk.backends.local_docker_reaper",
+                                 "--prune"], cwd=REPO, env=_environ(), capture_output=True,
+                                text=True, timeout=60)
+        assert pruned.returncode == 0, pruned.stderr
+        dead_job, live_job = jobs
+        assert not _leftovers(client, dead_job) and f"fp16-sdk-{dead_job}" in pruned.stdout
+        assert _leftovers(client, live_job) == [f"fp16-sdk-{live_job}"], pruned.stdout
+    finally:
+        for job in jobs:
+            _remove_labelled(client, job)

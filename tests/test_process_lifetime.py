@@ -201,6 +201,116 @@ def test_a_job_started_from_a_thread_outlives_that_thread(tmp_path):
     assert job.status is JobStatus.COMPLETED, job.log_lines()[-20:]
 
 
+# A fit(wait=False) process that then forks a child without exec; both sleep until killed.
+FORKING_DRIVER = r'''
+import os, sys, time
+from fp16_sdk.pytorch import PyTorch
+src, out, pid_dir, marker = sys.argv[1:5]
+est = PyTorch("sleeper.py", framework_version="2.13", py_version="py311", source_dir=src,
+              instance_type="local_process", instance_count=1, output_path=out,
+              environment={"PID_DIR": pid_dir, "LIFETIME_RUN": marker},
+              backend_options={"stop_grace_s": 3})
+est.fit(wait=False, logs=False, job_name="forked")
+if os.fork() == 0:
+    time.sleep(3600)
+    os._exit(0)
+time.sleep(3600)
+'''
+
+
+@pytest.mark.slow
+def test_a_child_forked_without_exec_does_not_keep_the_job_alive(tmp_path):
+    """Only the SDK process's death counts: its forked child inherits every descriptor, and
+    without `local_lifeline.hold` it kept the toolkit's pipe open (issue 35, item 3)."""
+    src, pid_dir, out = tmp_path / "src", tmp_path / "pids", tmp_path / "jobs"
+    src.mkdir()
+    pid_dir.mkdir()
+    (src / "sleeper.py").write_text(SLEEPER)
+    marker, driver_marker = uuid.uuid4().hex, uuid.uuid4().hex
+    driver = subprocess.Popen([sys.executable, "-c", FORKING_DRIVER, str(src), str(out),
+                               str(pid_dir), marker], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True,
+                              env={**os.environ, "FORKING_DRIVER_RUN": driver_marker})
+    job: list = []
+    try:
+        _wait_for_pids(pid_dir, 1, driver)
+        job = with_env("LIFETIME_RUN", marker)
+        forked = [p for p in with_env("FORKING_DRIVER_RUN", driver_marker)
+                  if p.ppid == driver.pid and p.key not in {j.key for j in job}]
+        assert len(job) == 2 and len(forked) == 1, [p.cmdline for p in job + forked]
+        start = time.monotonic()
+        driver.kill()
+        left = wait_gone(job, GONE_WITHIN_S)
+        took = time.monotonic() - start
+        assert not left, f"still running {took:.1f}s after SIGKILL: {[p.cmdline for p in left]}"
+        assert wait_gone(forked, 0)  # the forked child lives on: only the SDK's death counts
+        print(f"SIGKILL with a forked child alive: the job was gone after {took:.2f}s")
+    finally:
+        kill_all(job + with_env("LIFETIME_RUN", marker)
+                 + with_env("FORKING_DRIVER_RUN", driver_marker))
+        driver.kill()
+        driver.wait()
+
+
+def test_the_toolkit_stops_at_its_max_run(tmp_path):
+    """FP16_SDK_MAX_RUN_S (what local Docker passes): SIGTERM to the tree as SageMaker at
+    MaxRuntimeInSeconds, the failure file, exit 128 + SIGTERM; the script would sleep an hour."""
+    base = make_job(tmp_path, {"train.py": SLEEPER}, {})
+    env = toolkit_env(base, PID_DIR=str(base / "model"), FP16_SDK_MAX_RUN_S="3",
+                      FP16_SDK_STOP_GRACE_S="2")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fp16_sdk.toolkit"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
+    assert "max_run exceeded (3 s): MaxRuntimeExceeded" in proc.stdout, proc.stdout
+    assert 3 <= took < 3 + GONE_WITHIN_S, took
+    assert list((base / "model").glob("*.pid"))  # the script did start
+    assert (base / "output" / "failure").read_text().startswith("ExitCode 143")
+
+
+def test_a_bad_max_run_variable_is_a_failure_naming_it(tmp_path):
+    base = make_job(tmp_path, {"train.py": "print('ran')\n"}, {})
+    proc = subprocess.run([sys.executable, "-m", "fp16_sdk.toolkit"], capture_output=True,
+                          text=True, timeout=60, env=toolkit_env(base, FP16_SDK_MAX_RUN_S="0"))
+    assert proc.returncode == 1 and "ran" not in proc.stdout, proc.stdout
+    assert "FP16_SDK_MAX_RUN_S must be a number of seconds > 0, got '0'" in \
+        (base / "output" / "failure").read_text()
+
+
+def test_the_toolkit_stops_when_the_sdk_fifo_closes_and_ignores_an_unconnected_one(tmp_path):
+    """FP16_SDK_LIFELINE_PATH (a FIFO local Docker mounts into each container): end of file
+    after the SDK's first byte stops the tree; a FIFO nobody holds (an engine in another
+    kernel) is not taken for a dead SDK: the job runs to its end."""
+    from fp16_sdk.backends.local_lifeline import HostLifelines
+
+    base = make_job(tmp_path / "held", {"train.py": SLEEPER}, {})
+    lifelines = HostLifelines(tmp_path / "fifos", ["algo-1"])
+    fifo = lifelines.mount_source("algo-1") / "sdk"
+    env = toolkit_env(base, PID_DIR=str(base / "model"), FP16_SDK_LIFELINE_PATH=str(fifo),
+                      FP16_SDK_STOP_GRACE_S="2")
+    toolkit = subprocess.Popen([sys.executable, "-m", "fp16_sdk.toolkit"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_pids(base / "model", 1, toolkit)
+        lifelines.close()  # as if the SDK died
+        assert toolkit.wait(timeout=GONE_WITHIN_S) == 128 + signal.SIGTERM
+        assert "the SDK process that started this job is gone" in toolkit.stdout.read()
+    finally:
+        lifelines.close()
+        if toolkit.poll() is None:
+            toolkit.kill()
+            toolkit.wait()
+    unconnected = tmp_path / "unconnected"
+    os.mkfifo(unconnected)
+    base = make_job(tmp_path / "free", {"train.py": "import time; time.sleep(2)\n"}, {})
+    proc = subprocess.run([sys.executable, "-m", "fp16_sdk.toolkit"], capture_output=True,
+                          text=True, timeout=60,
+                          env=toolkit_env(base, FP16_SDK_LIFELINE_PATH=str(unconnected)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "has no writer" in proc.stdout and (base / "output" / "success").exists()
+
+
 # ---- the session's own leak check (tests/conftest.py), run on a small suite of its own ------
 
 LEAKY_TEST = '''

@@ -19,7 +19,11 @@ The job runs in the training image exactly as SageMaker runs it, driven through 
 - nothing survives this process: before creating anything the job starts a watchdog
   (`local_docker_reaper`) that removes everything labelled with the job when this process dies,
   SIGKILL included; SIGTERM during `wait()` first stops the job and collects every host's
-  artifacts, as in local_process (`local_docker_job`).
+  artifacts, as in local_process (`local_docker_job`). Should the watchdog die too, each
+  container stops itself: it reads a FIFO that only this process writes (`local_lifeline`,
+  mounted at /run/fp16_sdk) and enforces `max_run` (plus `MAX_RUN_MARGIN_S`) on its own
+  (`fp16_sdk.toolkit.lifeline`); the next job on the engine then removes what is left
+  (`local_docker_reaper.prune`).
 
 `backend_options` (see `OPTIONS`): `shm_size`, `pass_aws_credentials`, `keep_job_dir`,
 `stop_timeout`. Everything checkable is checked before anything is created; the running job
@@ -44,7 +48,8 @@ from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import Backend, Channel, JobSpec, refuse_unknown_options
 from fp16_sdk.backends.local_docker_job import (ENDING_GRACE_S, LABEL_HOST, LABEL_JOB, DockerJob,
                                                 job_labels)
-from fp16_sdk.backends.local_docker_reaper import Reaper, engine_url
+from fp16_sdk.backends.local_docker_reaper import Reaper, engine_url, prune_quietly
+from fp16_sdk.backends.local_lifeline import CONTAINER_DIR, CONTAINER_PATH, HostLifelines
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.packaging import safe_extract
 
@@ -62,6 +67,9 @@ OPTIONS = {
                     "10); the toolkit inside sends its own SIGKILL to the script 2 s before",
 }
 _SIZE = re.compile(r"^(\d+)([bkmg]?)$", re.IGNORECASE)
+# The toolkit in a container stops its job this long after max_run: while this process lives,
+# it stops the job first (at max_run) and reports MaxRuntimeExceeded itself.
+MAX_RUN_MARGIN_S = 5
 
 
 def container_name(job: str, host: str) -> str:
@@ -227,6 +235,7 @@ class LocalDockerBackend(Backend):
         """Everything `submit` does except starting the containers (inspect them, then
         `job.start()` or `job.discard()`). Skips the NVIDIA runtime check, so a `local_gpu`
         configuration can be inspected on a machine without GPUs."""
+        prune_quietly(self.client, grace=ENDING_GRACE_S)  # what jobs of dead SDKs left
         image, options = self._preflight(spec)
         jd = lc.job_dir(spec)
         hps = dict(spec.hyperparameters)
@@ -246,6 +255,7 @@ class LocalDockerBackend(Backend):
             # First, so that whatever is created next dies with this process.
             job.reaper = Reaper(spec.job_name, base_url=engine_url(self.client),
                                 grace=min(options.stop_timeout, ENDING_GRACE_S))
+            job.lifelines = HostLifelines(jd / "lifeline", spec.hosts)
             job.network = self.client.networks.create(
                 network_name(spec.job_name), driver="bridge", labels=job_labels(spec.job_name),
                 check_duplicate=True, internal=spec.enable_network_isolation)
@@ -254,7 +264,8 @@ class LocalDockerBackend(Backend):
             env = self._environment(spec, options)
             with concurrent.futures.ThreadPoolExecutor(len(spec.hosts)) as pool:
                 made = pool.map(lambda a: (a[0], self._create_container(spec, a[0], a[1], image=image,
-                                           env=env, options=options, store=store)),
+                                           env=env, options=options, store=store,
+                                           lifeline=job.lifelines.mount_source(a[0]))),
                                 zip(spec.hosts, requests))
                 job.containers.update(made)
         except BaseException as exc:
@@ -321,16 +332,20 @@ class LocalDockerBackend(Backend):
         # The toolkit inside escalates SIGTERM -> SIGKILL on its own tree before the engine
         # kills the container, so it still stops its workers and writes its failure file.
         env[contract.STOP_GRACE_VAR] = str(toolkit_grace_s(options.stop_timeout))
+        env[contract.LIFELINE_PATH_VAR] = CONTAINER_PATH
+        env[contract.MAX_RUN_VAR] = str(spec.max_run + MAX_RUN_MARGIN_S)
         if options.pass_aws_credentials:
             region = json.loads(spec.hyperparameters.get("sagemaker_region", "null"))
             env.update(_aws_environment(region))
         return env
 
-    def _mounts(self, spec: JobSpec, host: str, store: Path | None) -> list[Any]:
+    def _mounts(self, spec: JobSpec, host: str, store: Path | None,
+                lifeline: Path) -> list[Any]:
         from docker.types import Mount
 
         jd = lc.job_dir(spec)
-        mounts = [Mount("/opt/ml", str(jd / "hosts" / host), type="bind")]
+        mounts = [Mount("/opt/ml", str(jd / "hosts" / host), type="bind"),
+                  Mount(CONTAINER_DIR, str(lifeline), type="bind", read_only=True)]
         for ch in spec.channels:
             target = f"/opt/ml/input/data/{ch.name}"
             src = _channel_source(spec, ch, host, jd)
@@ -343,7 +358,7 @@ class LocalDockerBackend(Backend):
 
     def _create_container(self, spec: JobSpec, host: str, device_request: Any, *, image: str,
                           env: Mapping[str, str], options: DockerOptions,
-                          store: Path | None) -> Any:
+                          store: Path | None, lifeline: Path) -> Any:
         from docker.types import Ulimit
 
         net = network_name(spec.job_name)
@@ -355,7 +370,7 @@ class LocalDockerBackend(Backend):
         return self.client.containers.create(
             image, ["train"], name=container_name(spec.job_name, host), hostname=host,
             labels={**job_labels(spec.job_name), LABEL_HOST: host}, environment=dict(env),
-            mounts=self._mounts(spec, host, store), shm_size=options.shm_size, init=True,
+            mounts=self._mounts(spec, host, store, lifeline), shm_size=options.shm_size, init=True,
             network=net, networking_config={
                 net: self.client.api.create_endpoint_config(aliases=[host])},
             stop_signal="SIGTERM", **gpu_extra)

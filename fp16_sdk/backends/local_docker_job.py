@@ -33,6 +33,7 @@ from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
 from fp16_sdk.backends.failures import origin_failure
+from fp16_sdk.backends.local_docker_reaper import sdk_label
 from fp16_sdk.errors import TrainingJobFailedError
 
 __all__ = ["DockerJob", "LABEL_JOB", "LABEL_HOST", "ENDING_GRACE_S", "job_labels"]
@@ -50,8 +51,9 @@ ENDING_GRACE_S = 5
 
 
 def job_labels(job: str) -> dict[str, str]:
-    """The labels on every resource a job creates (`docker ps -a --filter label=...`)."""
-    return {LABEL_JOB: job}
+    """The labels on every resource a job creates (`docker ps -a --filter label=...`): the
+    job, and the SDK process that owns it (`local_docker_reaper.prune`)."""
+    return {LABEL_JOB: job, **sdk_label()}
 
 
 def _now() -> datetime.datetime:
@@ -67,6 +69,8 @@ class DockerJob(JobHandle):
         self.spec, self.image, self.trees = spec, image, trees
         self.network: Any = None
         self.reaper: Any = None  # local_docker_reaper.Reaper, released once we cleaned up
+        self.lifelines: Any = None  # local_lifeline.HostLifelines, closed with the reaper
+        self._max_run_exceeded = False
         self.containers: dict[str, Any] = {}
         self._client, self._stop_timeout, self._keep = client, stop_timeout, keep_job_dir
         self._store = checkpoint_store
@@ -139,9 +143,12 @@ class DockerJob(JobHandle):
                 try:
                     host, code, reason = self._exits.get(timeout=0.5)
                 except queue.Empty:
-                    if time.monotonic() > deadline and self._failure is None:
-                        self._failure = ("", None, f"max_run ({self.spec.max_run} s) exceeded: "
-                                         "the job was stopped (MaxRuntimeExceeded)")
+                    if time.monotonic() > deadline and not self._stop_requested \
+                            and self._failure is None:
+                        # As SageMaker: SIGTERM, then Stopped with MaxRuntimeExceeded.
+                        log.warning("%s: max_run (%s s) exceeded: stopping it "
+                                    "(MaxRuntimeExceeded)", self.name, self.spec.max_run)
+                        self._max_run_exceeded = self._stop_requested = True
                         self._stop_all(wait=False)
                     continue
                 exits[host] = (code, reason)
@@ -226,6 +233,8 @@ class DockerJob(JobHandle):
         self.network = None
 
     def _release_reaper(self) -> None:
+        if self.lifelines is not None:
+            self.lifelines.close()
         if self.reaper is not None:
             self.reaper.release()
 
@@ -321,6 +330,8 @@ class DockerJob(JobHandle):
             output_path=spec.output_path, max_run=spec.max_run, environment=spec.environment,
             start_time=self._start_time, end_time=self._end_time, model_data=self._model_data,
             failure_reason=self._failure[2] if failed else None,
+            extra={"SecondaryStatus": "MaxRuntimeExceeded" if self._max_run_exceeded
+                   and self._done.is_set() else self.status.value},
             final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
                            if spec.metric_definitions else None))
 

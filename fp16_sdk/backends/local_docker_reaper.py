@@ -13,13 +13,24 @@ end of a pipe whose write end only the SDK holds (close-on-exec: no other child 
   anything.
 
 The job folder stays as the containers left it (failure files included): nobody is left to
-collect artifacts. A child that this process forks without exec (multiprocessing's "fork")
-inherits the write end and keeps the job alive until it exits too. Run as `python -m fp16_sdk.backends.local_docker_reaper --job J --fd N`.
+collect artifacts. A child that the SDK forks without exec (multiprocessing's "fork") closes
+its copy of the write end right after the fork (`local_lifeline.hold`), so only the SDK's
+death counts. Run as `python -m fp16_sdk.backends.local_docker_reaper --job J --fd N`.
+
+When this watchdog dies with the SDK (a whole process group or cgroup killed), each container
+sees its own lifeline end and stops (`fp16_sdk.toolkit.lifeline`), but stopped containers and
+the network stay. Every resource also carries `fp16_sdk.sdk=<boot id>/<pid namespace>/<pid>/
+<start time>` of the SDK process: `prune` (run by each local Docker `fit()`, or by hand as
+`python -m fp16_sdk.backends.local_docker_reaper --prune`) removes the jobs whose SDK is known
+to be gone: same boot and pid namespace as the caller, and no process with that pid and start
+time. A job started elsewhere (another machine's or container's SDK on a shared engine) or
+before these labels existed is never touched.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -28,9 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Reaper", "engine_url", "reap", "main"]
+from fp16_sdk.backends import local_lifeline
+
+__all__ = ["Reaper", "engine_url", "reap", "prune", "prune_quietly", "sdk_label", "sdk_gone",
+           "main", "LABEL_SDK"]
+
+log = logging.getLogger(__name__)
 
 LABEL_JOB = "fp16_sdk.job"  # the same label as local_docker_job.LABEL_JOB (a test checks it)
+LABEL_SDK = "fp16_sdk.sdk"  # the SDK process that owns the job, see `sdk_label`
 
 
 def engine_url(client: Any) -> str:
@@ -55,6 +72,7 @@ class Reaper:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         read_end, self._write_end = os.pipe()  # both close-on-exec
+        local_lifeline.hold(self._write_end)  # and closed in children forked without exec
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "fp16_sdk.backends.local_docker_reaper", "--job", job,
@@ -62,11 +80,12 @@ class Reaper:
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 env=env, start_new_session=True)
         except BaseException:
-            os.close(self._write_end)
+            local_lifeline.let_go(self._write_end)
             raise
         finally:
             os.close(read_end)
         self._lock = threading.Lock()
+        self._owner = os.getpid()
 
     @property
     def pid(self) -> int:
@@ -78,7 +97,10 @@ class Reaper:
         return self._proc.poll()
 
     def release(self) -> None:
-        """The job is over and cleaned up by the SDK: tell the watchdog to exit (idempotent)."""
+        """The job is over and cleaned up by the SDK: tell the watchdog to exit (idempotent;
+        nothing in a child forked from the SDK, which must not release the SDK's watchdog)."""
+        if os.getpid() != self._owner:
+            return
         with self._lock:
             if self._write_end is None:
                 return
@@ -86,7 +108,7 @@ class Reaper:
                 os.write(self._write_end, b"x")
             except OSError:
                 pass  # it already died: nothing to release
-            os.close(self._write_end)
+            local_lifeline.let_go(self._write_end)
             self._write_end = None
         try:
             self._proc.wait(timeout=10)
@@ -117,6 +139,70 @@ def reap(client: Any, job: str, *, grace: int) -> list[str]:
     return gone
 
 
+def _start_time(pid: int) -> str | None:
+    """The start time of live process `pid` (clock ticks since boot), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+def _this_kernel() -> str | None:
+    """`<boot id>/<pid namespace>` of this process: where its pids mean something."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def sdk_label() -> dict[str, str]:
+    """`{LABEL_SDK: <boot id>/<pid namespace>/<pid>/<start time>}` naming this process, or {}
+    where /proc cannot tell (then `prune` never removes the job)."""
+    kernel, start = _this_kernel(), _start_time(os.getpid())
+    return {LABEL_SDK: f"{kernel}/{os.getpid()}/{start}"} if kernel and start else {}
+
+
+def sdk_gone(owner: str) -> bool:
+    """Whether the SDK process named by a `LABEL_SDK` value is known to have ended: it ran in
+    this boot and pid namespace, and no live process has its pid and start time."""
+    parts = owner.split("/")  # boot id, pid namespace, pid, start time
+    if len(parts) != 4 or "/".join(parts[:2]) != _this_kernel() or not parts[2].isdigit():
+        return False
+    return _start_time(int(parts[2])) != parts[3]
+
+
+def prune(client: Any, *, grace: int) -> list[str]:
+    """Remove the containers and networks of every job whose SDK process is gone (`sdk_gone`),
+    running or stopped; return their names. Jobs of live or unknown SDKs are left alone."""
+    owned = {"label": LABEL_SDK}
+    owners: dict[str, str] = {}
+    for labels in [c.get("Labels") or {} for c in client.api.containers(all=True, filters=owned)] \
+            + [n.get("Labels") or {} for n in client.api.networks(filters=owned)]:
+        if labels.get(LABEL_JOB) and labels.get(LABEL_SDK):
+            owners[labels[LABEL_JOB]] = labels[LABEL_SDK]
+    gone: list[str] = []
+    for job, owner in sorted(owners.items()):
+        if sdk_gone(owner):
+            gone += reap(client, job, grace=grace)
+    return gone
+
+
+def prune_quietly(client: Any, *, grace: int) -> None:
+    """`prune` for a new job: a failure is logged, never raised (a leftover must not block)."""
+    try:
+        gone = prune(client, grace=grace)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not remove leftovers of earlier jobs on the Docker engine (%s); "
+                    "`python -m fp16_sdk.backends.local_docker_reaper --prune` retries", exc)
+        return
+    if gone:
+        log.info("removed what jobs of dead SDK processes left: %s", ", ".join(gone))
+
+
 def _name(container: Any) -> str:
     names = container.attrs.get("Names") or [container.id[:12]]
     return names[0].lstrip("/")
@@ -135,13 +221,30 @@ def _stop_and_remove(container: Any, grace: int) -> None:
                   file=sys.stderr)
 
 
+def _prune_main(base_url: str | None, grace: int) -> int:
+    """`--prune`: remove what jobs of dead SDKs left on the engine (DOCKER_HOST by default)."""
+    import docker
+
+    client = docker.DockerClient(base_url=base_url) if base_url else docker.from_env()
+    gone = prune(client, grace=grace)
+    print(f"removed {', '.join(gone)}" if gone else "nothing to remove: every job labelled "
+          f"{LABEL_SDK} belongs to a live SDK process or to another machine")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fp16_sdk.backends.local_docker_reaper")
-    parser.add_argument("--job", required=True)
-    parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--base-url", required=True)
-    parser.add_argument("--grace", type=int, required=True)
+    parser.add_argument("--prune", action="store_true",
+                        help="remove the containers and networks of jobs whose SDK is gone")
+    parser.add_argument("--job")
+    parser.add_argument("--fd", type=int)
+    parser.add_argument("--base-url")
+    parser.add_argument("--grace", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.prune:
+        return _prune_main(args.base_url, args.grace)
+    if args.job is None or args.fd is None or args.base_url is None:
+        parser.error("--job, --fd and --base-url are required without --prune")
     while True:
         try:
             released = os.read(args.fd, 1) != b""

@@ -17,7 +17,9 @@ Nor does any process survive the SDK: each toolkit holds the read end of a pipe 
 "lifeline", `FP16_SDK_LIFELINE_FD`) whose write end only this process holds. When this process
 dies, SIGKILL included, the pipe reaches end of file and every toolkit stops its own tree
 (SIGTERM, then SIGKILL after the same grace period, `FP16_SDK_STOP_GRACE_S`); being the
-subreaper of its tree, a toolkit also reaches workers whose torchrun died first.
+subreaper of its tree, a toolkit also reaches workers whose torchrun died first. A child that
+this process forks without exec closes its copy of the write end (`local_lifeline`), so it
+does not keep the job alive.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, Mapping
 import fp16_sdk
 from fp16_sdk import contract
 from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends import local_lifeline
 from fp16_sdk.backends.base import (Backend, JobHandle, JobSpec, JobStatus,
                                     refuse_unknown_options)
 from fp16_sdk.backends.failures import origin_failure
@@ -163,7 +166,9 @@ class LocalProcessJob(JobHandle):
         self._start_time = dt.datetime.now(dt.timezone.utc)
         # Both ends are close-on-exec: no other child of this process inherits the write end
         # (which would keep the pipe open after we die); each toolkit gets the read end only.
+        # A child forked without exec closes it right after the fork (local_lifeline.hold).
         read_end, self._lifeline = os.pipe()
+        local_lifeline.hold(self._lifeline)
         try:
             for tree in self._trees:
                 proc = subprocess.Popen(
@@ -235,7 +240,7 @@ class LocalProcessJob(JobHandle):
 
     def _close_lifeline(self) -> None:
         if self._lifeline is not None:
-            os.close(self._lifeline)
+            local_lifeline.let_go(self._lifeline)
             self._lifeline = None
 
     def _finish(self, failed_host: str | None, reason: str | None) -> None:

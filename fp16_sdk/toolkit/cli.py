@@ -17,7 +17,7 @@ containers as soon as one exits, often while torchrun is still shutting down).
 Local backends pass two more variables (see `process` for why):
 `FP16_SDK_LIFELINE_FD`, a pipe that reaches end of file when the SDK process dies (the
 toolkit then stops its tree as on SIGTERM), and `FP16_SDK_STOP_GRACE_S`, the seconds between
-SIGTERM and SIGKILL for the tree (default 30).
+SIGTERM and SIGKILL for the tree (default 30). Local Docker adds two (see `lifeline`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Mapping, Sequence
 
 from fp16_sdk import __version__, contract
 from fp16_sdk.errors import ConfigError, SDKError
+from fp16_sdk.toolkit import lifeline
 from fp16_sdk.toolkit.code import install_commands, prepare_code
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
@@ -254,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     stops.install()  # for the toolkit's whole life: no stop signal is ever lost (see stops)
     try:
         fd = _lifeline_fd(os.environ)
+        lifeline.start(os.environ)  # local Docker: the SDK's FIFO and max_run
     except ConfigError as exc:
         sys.exit(_fail(Paths.from_environ(os.environ), setup_failure(f"ConfigError: {exc}")))
     become_subreaper()  # orphaned workers stay in our tree (a no-op outside Linux)
