@@ -13,9 +13,10 @@ names): `begin_save` sends it to `.<name>.new`, and `commit_save` swaps it in by
 `.<name>.old`, which `resolve_folder` reads in place of the missing `<name>` and the next
 `begin_save` moves back.
 
-Loading: `load` is `torch.load(weights_only=True)`: tensors, numbers, strings and plain
-containers only (every smp file is made of those), so a planted pickle cannot run code; a
-file holding anything else is refused naming the file and the type.
+Loading: `load` is torch's weights-only unpickler with the allow-list of safe_load.py
+(tensors, containers, numbers, strings, numpy scalars and arrays, transformers configs), so a
+planted pickle cannot run code; a file holding anything else is refused naming the file and
+the global, unless the resume was called with weights_only=False.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import shutil
 import sys
 import time
@@ -33,6 +33,7 @@ import time
 import torch
 
 from ..errors import CheckpointError
+from . import safe_load
 
 __all__ = ["IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST", "atomic_write",
            "save_torch", "save_json", "read_json", "load", "sha256_of", "read_newest",
@@ -131,24 +132,16 @@ def read_json(path: str) -> dict | None:
         return None
 
 
-def load(path: str):
-    """torch.load onto the CPU with weights_only=True.
+def load(path: str, *, weights_only: bool = True):
+    """Load a checkpoint file onto the CPU, weights-only with smp's allow-list (safe_load.py).
 
     Raises:
-        CheckpointError: the file holds an object torch's weights-only unpickler does not
-            allow (a planted or foreign pickle), naming the file and what it holds.
+        CheckpointError: the file holds a type outside the allow-list (a planted pickle, or
+            your own class in user_content): names the file, the global and how to accept
+            it; or it cannot be unpickled at all.
     """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = next((line.strip() for line in str(exc).splitlines()
-                      if "GLOBAL" in line or "Unsupported" in line), str(exc).splitlines()[0])
-        raise CheckpointError(
-            f"refusing to load checkpoint file {path!r}: it holds more than tensors, numbers, "
-            f"strings and containers ({first}); smp checkpoints never do, so it was written "
-            f"by something else. If you wrote it yourself with such objects (e.g. in "
-            f"user_content) and trust it, allow the type with "
-            f"torch.serialization.add_safe_globals([...]) before resuming") from None
+    return safe_load.load(path, map_location="cpu", weights_only=weights_only,
+                          opt_in="smp.resume_from_checkpoint(..., weights_only=False)")
 
 
 # ---- saves that never touch a committed folder --------------------------------------------

@@ -9,6 +9,7 @@ DistributedModel does not exist yet (apply_pending_resume, called by smp.step).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ log = logging.getLogger("smp.checkpoint")
 
 
 def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optimizer=True,
-                           load_sharded_optimizer_state=True, translate_function=None):
+                           load_sharded_optimizer_state=True, translate_function=None, *,
+                           weights_only=True):
     """Resume from a checkpoint written by save_checkpoint (collective: every rank calls it).
 
     RNG state and the step count are restored now; weights, fp32 masters, optimizer and
@@ -56,6 +58,11 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
             shard_optimizer_state each rank reads its own slice files, or, when the rdp size
             changed, every saved slice of its partition and reshards them.
         translate_function: applied to a full state dict before loading (e.g. HF -> smp keys).
+        weights_only: True (default): every file is loaded by torch's weights-only unpickler
+            with smp's allow-list (tensors, containers, numbers, strings, torch dtypes/sizes,
+            numpy scalars/arrays, transformers configs), so a planted file cannot run code.
+            False unpickles anything (your own classes in user_content): only for a
+            checkpoint folder nobody else can write to. Not in smp v1.
 
     Returns:
         The user_content saved with the checkpoint (None if none was).
@@ -63,16 +70,21 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     Raises:
         IncompleteCheckpointError: the save did not finish (names the missing files) or a file
             does not match the manifest.
-        CheckpointError: no such checkpoint, a different pp/tp layout; at the first step,
-            optimizer state to load and no DistributedOptimizer.
+        CheckpointError: no such checkpoint, a different pp/tp layout, a file holding a
+            type outside the allow-list (names the file and the global); at the first
+            step, optimizer state to load and no DistributedOptimizer.
     """
     state.require_init("smp.resume_from_checkpoint")
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint path must be a folder name (str), got "
                               f"{type(path).__name__}")
     path = os.fspath(path)
+    if not isinstance(weights_only, bool):
+        raise CheckpointError(f"resume_from_checkpoint(weights_only={weights_only!r}): pass "
+                              f"True (the default, safe) or False (unpickle anything)")
+    load = functools.partial(files.load, weights_only=weights_only)
     if not partial:
-        return _resume_full(path, tag, strict, translate_function)
+        return _resume_full(path, tag, strict, translate_function, load)
     folder, problem = _partial_folder(path, tag), None
     try:
         manifest = _verify_partial(folder)
@@ -82,16 +94,16 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     records = manifest["files"]
     rng_name, rng = "rng_states_{}_{}_{}.pt".format(*coords()), None
     if rng_name in records and manifest["world_size"] == state.topology.world_size:
-        rng = files.load(os.path.join(folder, rng_name))
+        rng = load(os.path.join(folder, rng_name))
     elif state.rank == 0:
         log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
                     "restored", folder, manifest["world_size"], state.topology.world_size)
-    pending = _read_partial(folder, records, load_optimizer, manifest["rdp"])
+    pending = _read_partial(folder, records, load_optimizer, manifest["rdp"], load)
     _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
                                                                      strict, load_optimizer),
                             rng=rng)
     user = os.path.join(folder, "user_content.pt")
-    return files.load(user) if "user_content.pt" in records else None
+    return load(user) if "user_content.pt" in records else None
 
 
 def _partial_folder(path: str, tag) -> str:
@@ -158,20 +170,20 @@ def _read_names(records, saved_rdp: int) -> list[str]:
     return [n for n in names if n in records]
 
 
-def _read_partial(folder: str, records, load_optimizer: bool, saved_rdp: int) -> dict:
+def _read_partial(folder: str, records, load_optimizer: bool, saved_rdp: int, load) -> dict:
     pending = {}
     name = "model_{}_{}.pt".format(*coords()[:2])
     if name in records:
-        pending["model"] = files.load(os.path.join(folder, name))
+        pending["model"] = load(os.path.join(folder, name))
     if not load_optimizer:
         return pending
     parts = []
     for info in _optimizer_infos(saved_rdp):
         if f"optimizer_{info}.pt" not in records:
             continue
-        part = dict(files.load(os.path.join(folder, f"optimizer_{info}.pt")))
+        part = dict(load(os.path.join(folder, f"optimizer_{info}.pt")))
         if f"fp16_states_{info}.pt" in records:
-            part.update(files.load(os.path.join(folder, f"fp16_states_{info}.pt")))
+            part.update(load(os.path.join(folder, f"fp16_states_{info}.pt")))
         parts.append(part)
     if len(parts) == 1 and (not sharded() or saved_rdp == state.topology.rdp):
         pending["optimizer"] = parts[0]
@@ -251,7 +263,7 @@ def _refresh_masters(optimizer) -> None:
         optimizer.reload_masters_from_model()
 
 
-def _resume_full(path: str, tag, strict: bool, translate_function):
+def _resume_full(path: str, tag, strict: bool, translate_function, load):
     if not isinstance(tag, str) or not tag:
         raise CheckpointError(f"resume_from_checkpoint(partial=False) needs tag=<the full "
                               f"checkpoint's file name in {path!r}>, got {tag!r}")
@@ -260,7 +272,7 @@ def _resume_full(path: str, tag, strict: bool, translate_function):
         f"full checkpoint {target!r} does not exist (a save with partial=False writes "
         f"<path>/<tag>; partial checkpoints load with partial=True)")
     agree(problem)
-    sd = files.load(target)
+    sd = load(target)
     if translate_function is not None:
         sd = translate_function(sd)
     sd = {k: v for k, v in sd.items() if k != "_smp_is_partial"}
@@ -270,4 +282,4 @@ def _resume_full(path: str, tag, strict: bool, translate_function):
         _refresh_masters(optimizer)
     _apply_when_partitioned(apply)
     user = os.path.join(path, f"user_content_{tag}")
-    return files.load(user) if os.path.isfile(user) else None
+    return load(user) if os.path.isfile(user) else None
