@@ -29,7 +29,10 @@ Crash safety: each file is written to a temporary name in its folder, fsync'ed a
 committed by `.complete.json` and only then does `newest` move (also by rename). A save
 killed half way leaves a folder without `.complete.json`: `resume_from_checkpoint` refuses it
 with `IncompleteCheckpointError`, naming the files `.plan.json` expected that are missing,
-while `newest` still names the previous checkpoint, which loads as before.
+while `newest` still names the previous checkpoint, which loads as before. Resuming with no
+tag takes the newest checkpoint `newest` lists that is complete and undamaged on every rank
+(a truncated or garbage manifest, plan or file is skipped on all ranks, rank 0 logs which and
+why); every damaged file is a CheckpointError naming it, `newest` itself included.
 
 Re-saving a tag that exists never writes into its folder (it may be the one `newest`
 names): the save goes to `.<tag>_partial.new` and is swapped in after its manifest

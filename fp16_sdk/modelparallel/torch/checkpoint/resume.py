@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import CheckpointError
 from ..state import state
 from . import files
-from .collective import agree
-from .files import NEWEST
+from .collective import agree, allgather, gather_problems, raise_first
+from .files import NEWEST, IncompleteCheckpointError
 from .layout import coords, set_rng_state, sharded
 
 if TYPE_CHECKING:
@@ -46,8 +46,9 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
 
     Args:
         path: the checkpoint folder.
-        tag: the tag to load; None: the newest partial checkpoint (`newest`). Required for a
-            full checkpoint.
+        tag: the tag to load; None: the newest complete partial checkpoint `newest` lists
+            (a damaged or incomplete newer one is skipped, and the log says which and why).
+            Required for a full checkpoint.
         partial: load `<tag>_partial/` (same pp and tp as saved; any rdp) or, when False, the
             full model file `<path>/<tag>` into any pp x tp layout (optimizer not loaded).
             Partial checkpoints saved with shard_optimizer_state load into any rdp.
@@ -85,39 +86,83 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     load = functools.partial(files.load, weights_only=weights_only)
     if not partial:
         return _resume_full(path, tag, strict, translate_function, load)
-    folder, problem = _partial_folder(path, tag), None
-    try:
-        manifest = _verify_partial(folder)
+    folder, manifest = _newest_complete(path) if tag is None else _tagged(path, tag)
+    records, problem, rng, pending, user = manifest["files"], None, None, {}, None
+    try:  # a refused file on one rank must stop every rank here, not hang the others later
+        rng_name = "rng_states_{}_{}_{}.pt".format(*coords())
+        if rng_name in records and manifest["world_size"] == state.topology.world_size:
+            rng = load(os.path.join(folder, rng_name))
+        elif state.rank == 0:
+            log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
+                        "restored", folder, manifest["world_size"], state.topology.world_size)
+        pending = _read_partial(folder, records, load_optimizer, manifest["rdp"], load)
+        if "user_content.pt" in records:
+            user = load(os.path.join(folder, "user_content.pt"))
     except CheckpointError as exc:
-        manifest, problem = None, exc
+        problem = exc
     agree(problem)
-    records = manifest["files"]
-    rng_name, rng = "rng_states_{}_{}_{}.pt".format(*coords()), None
-    if rng_name in records and manifest["world_size"] == state.topology.world_size:
-        rng = load(os.path.join(folder, rng_name))
-    elif state.rank == 0:
-        log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
-                    "restored", folder, manifest["world_size"], state.topology.world_size)
-    pending = _read_partial(folder, records, load_optimizer, manifest["rdp"], load)
     _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
                                                                      strict, load_optimizer),
                             rng=rng)
-    user = os.path.join(folder, "user_content.pt")
-    return load(user) if "user_content.pt" in records else None
+    return user
 
 
-def _partial_folder(path: str, tag) -> str:
-    if tag is None:
+def _tagged(path: str, tag) -> tuple[str, dict]:
+    """The folder of `tag` and its checked manifest (the same on every rank, or an error on
+    every rank)."""
+    if not isinstance(tag, str) or not tag:
+        raise CheckpointError(f"checkpoint tag ({tag!r}) must be a non-empty str")
+    folder = files.resolve_folder(
+        os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial"))
+    manifest, problem = None, None
+    try:
+        manifest = _verify_partial(folder)
+    except CheckpointError as exc:
+        problem = exc
+    agree(problem)
+    return folder, manifest
+
+
+def _newest_complete(path: str) -> tuple[str, dict]:
+    """The newest checkpoint `newest` lists that is complete and undamaged on every rank.
+
+    Rank 0's list is the one walked (each host may have its own copy of the folder). A
+    checkpoint that is incomplete or damaged on any rank (IncompleteCheckpointError, or its
+    folder missing) is skipped on all of them, and rank 0 logs which and why; any other
+    problem (another layout, another sharding) stops the resume on every rank.
+    """
+    entries, problem = [], None
+    try:
         entries = files.read_newest(path)
         if not entries:
             raise CheckpointError(f"no {os.path.join(path, NEWEST)!r}: there is no partial "
-                                  f"checkpoint to resume in {path!r}; pass tag=... or check the "
-                                  f"path")
-        return files.resolve_folder(os.path.join(path, entries[-1]))
-    if not isinstance(tag, str) or not tag:
-        raise CheckpointError(f"checkpoint tag ({tag!r}) must be a non-empty str")
-    return files.resolve_folder(
-        os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial"))
+                                  f"checkpoint to resume in {path!r}; pass tag=... or check "
+                                  f"the path")
+    except CheckpointError as exc:
+        problem = exc
+    agree(problem)
+    entries, skipped = allgather(entries)[0], []
+    for entry in reversed(entries):
+        folder, manifest, problem = files.resolve_folder(os.path.join(path, entry)), None, None
+        try:
+            if not os.path.isdir(folder):
+                raise IncompleteCheckpointError(f"checkpoint folder {folder!r} does not exist")
+            manifest = _verify_partial(folder)
+        except CheckpointError as exc:
+            problem = exc
+        found = gather_problems(problem)
+        if not found:
+            return folder, manifest
+        raise_first([(r, p) for r, p in found if not isinstance(p, IncompleteCheckpointError)])
+        rank, reason = found[0]
+        skipped.append(f"{entry} (rank {rank}: {reason})")
+        if state.rank == 0:
+            log.warning("smp.resume_from_checkpoint: skipping checkpoint %s, which %s lists, "
+                        "because it is damaged or incomplete on rank %d: %s; trying the next "
+                        "older one", entry, os.path.join(path, NEWEST), rank, reason)
+    raise IncompleteCheckpointError(
+        f"no complete checkpoint to resume in {path!r}: every one {NEWEST!r} lists is damaged "
+        f"or incomplete: {'; '.join(skipped)}")
 
 
 def _verify_partial(folder: str) -> dict:
