@@ -177,7 +177,8 @@ FAIL_AFTER_WRITING_PY = """
 import os, pathlib, torch.distributed as dist
 dist.init_process_group("gloo")
 rank, host = dist.get_rank(), os.environ["SM_CURRENT_HOST"]
-model, data = pathlib.Path(os.environ["SM_MODEL_DIR"]), pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"])
+model = pathlib.Path(os.environ["SM_MODEL_DIR"])
+data = pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"])
 (model / f"rank{rank}.txt").write_text(host)
 (model / "clash.txt").write_text(host)  # on both hosts: SageMaker asks for distinct names
 (data / f"data-{host}.txt").write_text(host)

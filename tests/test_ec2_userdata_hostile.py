@@ -371,7 +371,8 @@ import os, pathlib, shutil, sys
 secret = pathlib.Path("/host-secret/config.json")
 secret.parent.mkdir(exist_ok=True)
 secret.write_text("HOST-SECRET")
-model, out = pathlib.Path(os.environ["SM_MODEL_DIR"]), pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"])
+model = pathlib.Path(os.environ["SM_MODEL_DIR"])
+out = pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"])
 if os.environ["LINKS"] == "model-folder":
     shutil.rmtree(model)
     model.symlink_to(secret.parent)

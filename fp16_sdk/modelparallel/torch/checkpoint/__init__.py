@@ -3,7 +3,8 @@
 
 Modules: torch_save.py (`smp.save` / `smp.load`: torch.save/torch.load with per-partition file
 names), safe_load.py (every load: weights-only with an allow-list), files.py (the on-disk
-side: atomic files, manifests, `newest`, pruning; no collectives, no runtime state), layout.py (who writes and reads which file), collective.py (the world-group
+side: atomic files, manifests, `newest`, pruning; no collectives, no runtime state),
+layout.py (who writes and reads which file), collective.py (the world-group
 collectives a save or resume runs), save.py (`save_checkpoint`), resume.py
 (`resume_from_checkpoint` and the apply that waits for the partitioned model).
 
