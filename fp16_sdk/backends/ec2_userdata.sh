@@ -260,10 +260,10 @@ host_names() {  # every host of the job, algo-1 first
     grep -o '"algo-[0-9]*"' "$WORK/hosts.json" | tr -d '"' | sort -u -t- -k2,2n
 }
 
-wait_for() {  # uri: 0 once the object exists (within ARTIFACT_WAIT), else 1
+wait_for() {  # uri [seconds]: 0 once the object exists (within ARTIFACT_WAIT), else 1
     local waited=0
     until s3 get "$1" "$WORK/.probe" >/dev/null 2>&1; do
-        [ "$waited" -lt "$ARTIFACT_WAIT" ] || return 1
+        [ "$waited" -lt "${2:-$ARTIFACT_WAIT}" ] || return 1
         sleep 2
         waited=$((waited + 2))
     done
@@ -277,15 +277,16 @@ hand_over_artifacts() {  # not algo-1: this host's parts, for algo-1 to merge
     printf '{}' > "$WORK/done.json" && s3 put "$WORK/done.json" "$base/done.json"
 }
 
-merge_artifacts() {  # algo-1: every host's parts into the job's model.tar.gz and output.tar.gz
-    local host kind part merged
+merge_artifacts() {  # status: every host's parts into the job's model.tar.gz, output.tar.gz
+    local host kind part merged limit="$ARTIFACT_WAIT"
     local -a others=()
+    [ "$1" = Completed ] && limit="$HOSTS_TIMEOUT"  # the job ends with its slowest host anyway
     while IFS= read -r host; do
         [ "$host" = algo-1 ] && continue
-        if wait_for "$JOB_URI/ec2/artifacts/$host/done.json"; then
+        if wait_for "$JOB_URI/ec2/artifacts/$host/done.json" "$limit"; then
             others+=("$host")
         else
-            say "no artifacts from $host within ${ARTIFACT_WAIT}s; the archives hold the others'"
+            say "no artifacts from $host within ${limit}s; the archives hold the others'"
         fi
     done < <(host_names)
     for kind in model output; do
@@ -309,7 +310,7 @@ upload_artifacts() {  # status: uploads whether training succeeded or failed, as
     make_part model "$ML_ROOT/model" || return 1
     make_part output "$ML_ROOT/output/data" || return 1
     if [ "$CURRENT_HOST" = algo-1 ]; then
-        merge_artifacts
+        merge_artifacts "$1"
         return
     fi
     hand_over_artifacts || return 1
