@@ -92,7 +92,8 @@ def test_manifest_checks_name_the_files(tmp_path):
     rec = {"a.pt": cf.save_torch(1, str(folder / "a.pt"))}
     with pytest.raises(cf.IncompleteCheckpointError, match=r"missing files: \['b.pt'\]"):
         cf.read_manifest(str(folder))
-    cf.save_json({"files": rec}, str(folder / cf.MANIFEST))
+    layout = {"pp": 1, "tp": 1, "rdp": 1, "world_size": 1}  # what every manifest records
+    cf.save_json({"files": rec, **layout}, str(folder / cf.MANIFEST))
     assert cf.read_manifest(str(folder))["files"] == rec
     cf.check_files(str(folder), rec, ["a.pt"])
     (folder / "a.pt").write_bytes(b"x")
@@ -204,10 +205,11 @@ def test_damaged_or_mismatched_checkpoint_is_refused(straight, tmp_path):
     data = bytearray(model_file.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, one flipped byte
     model_file.write_bytes(bytes(data))
-    results = run_ranks(_resume_probe, 2, str(copy), None, env={
+    results = run_ranks(_resume_probe, 2, str(copy), "step8", env={
         "SM_HP_MP_PARAMETERS": json.dumps(DP2)})
     assert results[0][0] == "IncompleteCheckpointError"
     assert "model_0_0.pt (sha256 differs from the manifest)" in results[0][1], results
+    # (with no tag, resume falls back to step6: tests/test_checkpoint_damaged.py)
     results = run_ranks(_resume_probe, 2, str(ck), "step6", env={
         "SM_HP_MP_PARAMETERS": json.dumps({**DP2, "tensor_parallel_degree": 2})})
     assert results[0][0] == "CheckpointError"

@@ -29,6 +29,7 @@ from helpers.ports import free_port
 from fp16_sdk.backends.base import Channel, JobStatus, backend_for
 from fp16_sdk.backends.ec2 import EC2Backend, channel_manifest
 from fp16_sdk.errors import ConfigError, TrainingJobFailedError
+from fp16_sdk.packaging import build_sourcedir
 
 
 def test_run_instances_carries_every_setting(infra, aws, tmp_path):
@@ -170,6 +171,57 @@ def test_failing_job_raises_with_host_exit_code_and_reason(infra, aws, tmp_path,
     ec2 = aws.client("ec2")
     assert instance(ec2, "ec2-job-1", "algo-1")["State"]["Name"] == "terminated"
     assert job.model_data is None
+
+
+FAIL_AFTER_WRITING_PY = """
+import os, pathlib, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, host = dist.get_rank(), os.environ["SM_CURRENT_HOST"]
+model = pathlib.Path(os.environ["SM_MODEL_DIR"])
+data = pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"])
+(model / f"rank{rank}.txt").write_text(host)
+(model / "clash.txt").write_text(host)  # on both hosts: SageMaker asks for distinct names
+(data / f"data-{host}.txt").write_text(host)
+dist.barrier()
+dist.destroy_process_group()
+raise SystemExit(f"failing on purpose on {host}")
+"""
+
+
+@pytest.mark.docker
+def test_failed_two_host_job_uploads_every_hosts_artifacts(infra, aws, tmp_path, engine):
+    """As SageMaker: a failed job's model/ and output/data/ are uploaded all the same, every
+    host's merged into the one model.tar.gz and output.tar.gz (algo-1's copy of a clashing
+    name is the one extracted)."""
+    src = tmp_path / "fail-src"
+    src.mkdir()
+    (src / "train.py").write_text(FAIL_AFTER_WRITING_PY)
+    session = ec2_session(infra)
+    spec = make_spec(tmp_path, environment={"FP16_SDK_MASTER_PORT": str(free_port())},
+                     sourcedir=build_sourcedir(entry_point="train.py", source_dir=src,
+                                               dest_dir=tmp_path / "fail-pkg"))
+    job = EC2Backend(session, out=io.StringIO()).submit(spec)
+    containers = run_stand_ins(engine, session, aws, "ec2-job-1", ["algo-1", "algo-2"], tmp_path)
+    try:
+        with pytest.raises(TrainingJobFailedError) as info:
+            job.wait(logs=False)
+    finally:
+        consoles = finish(containers)
+    assert "failing on purpose" in info.value.reason, consoles
+    assert job.status == JobStatus.FAILED and job.model_data is None
+    base = "s3://out-bucket/jobs/ec2-job-1/output"
+    with tarfile.open(fileobj=io.BytesIO(session.read_bytes(f"{base}/model.tar.gz"))) as tar:
+        assert sorted(set(tar.getnames())) == ["clash.txt", "rank0.txt", "rank1.txt"], consoles
+        got = {n: tar.extractfile(n).read().decode() for n in ("rank0.txt", "rank1.txt")}
+        assert got == {"rank0.txt": "algo-1", "rank1.txt": "algo-2"}
+        extracted = tmp_path / "extracted"
+        tar.extractall(extracted, filter="data")
+    assert (extracted / "clash.txt").read_text() == "algo-1"
+    with tarfile.open(fileobj=io.BytesIO(session.read_bytes(f"{base}/output.tar.gz"))) as tar:
+        assert sorted(tar.getnames()) == ["data-algo-1.txt", "data-algo-2.txt"]
+    for host in ("algo-1", "algo-2"):
+        status = json.loads(session.read_bytes(f"s3://out-bucket/ec2-job-1/ec2/status/{host}.json"))
+        assert status["status"] == "Failed" and "failing on purpose" in status["reason"], status
 
 
 def test_pytorch_estimator_with_ec2_session_launches_instances(infra, aws, tmp_path):

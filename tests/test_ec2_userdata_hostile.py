@@ -294,3 +294,133 @@ def test_a_key_climbing_out_of_its_channel_starts_no_instance(infra, aws, tmp_pa
     found = aws.client("ec2").describe_instances(Filters=[
         {"Name": "tag:fp16-sdk:job-name", "Values": ["ec2-job-1"]}])
     assert found["Reservations"] == []
+
+
+# ---- links the training container leaves in /opt/ml (the host script runs as root) -------------
+def _plant_links(tmp_path: Path) -> Path:
+    """A host secret outside the job, and a model folder with links to it and inside it."""
+    secret = tmp_path / "host" / "config.json"
+    secret.parent.mkdir()
+    secret.write_text("HOST-SECRET")
+    model = tmp_path / "ml" / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "weights.pt").write_text("w")
+    (model / "latest").symlink_to("weights.pt")                  # inside: kept, as a link
+    (model / "sub" / "up").symlink_to("../weights.pt")           # inside: kept
+    (model / "abs").symlink_to(secret)                           # outside: left out
+    (model / "climb").symlink_to("../../host/config.json")       # outside: left out
+    (model / "hostdir").symlink_to(secret.parent)                # outside: left out
+    return secret
+
+
+def test_archives_keep_links_as_links_and_leave_out_links_outside(tmp_path):
+    _plant_links(tmp_path)
+    proc = _run(tmp_path, f'WORK={tmp_path}; tarball {tmp_path}/ml/model {tmp_path}/m.tar')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with tarfile.open(tmp_path / "m.tar") as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert sorted(members) == ["latest", "sub", "sub/up", "weights.pt"]
+        assert members["latest"].issym() and members["latest"].linkname == "weights.pt"
+        assert all(b"HOST-SECRET" not in (tar.extractfile(m).read() if m.isfile() else b"")
+                   for m in members.values())
+    assert "not archiving model/abs" in proc.stdout and "not archiving model/climb" in proc.stdout
+
+
+def test_a_model_folder_that_is_a_link_is_refused_and_never_archived(tmp_path):
+    secret = _plant_links(tmp_path)
+    (tmp_path / "ml" / "model").rename(tmp_path / "ml" / "model.real")
+    (tmp_path / "ml" / "model").symlink_to(secret.parent)
+    proc = _run(tmp_path, f'''WORK={tmp_path}; CURRENT_HOST=algo-1
+make_part model {tmp_path}/ml/model && echo ARCHIVED; echo "PROBLEM $ARTIFACT_PROBLEM"''')
+    assert "ARCHIVED" not in proc.stdout, proc.stdout + proc.stderr
+    assert "PROBLEM refusing to archive model: the training container left a link" in proc.stdout
+    assert not (tmp_path / "parts" / "algo-1.model.tar").exists()
+
+
+@pytest.mark.parametrize("plant, want", [
+    ("link", "the training container left a link at output/failure or its folder: not read"),
+    ("dir-link", "the training container left a link at output/failure or its folder: not read"),
+    ("fifo", ""),  # not a regular file: not read (and not waited on)
+    ("file", "ExitCode 3\nboom"),
+])
+def test_the_failure_file_is_read_only_when_no_link_leads_to_it(tmp_path, plant, want):
+    import os
+    secret = _plant_links(tmp_path)
+    out = tmp_path / "ml" / "output"
+    if plant == "dir-link":
+        (secret.parent / "failure").write_text("HOST-SECRET")
+        out.symlink_to(secret.parent)
+    else:
+        out.mkdir()
+        failure = out / "failure"
+        if plant == "link":
+            failure.symlink_to(secret)
+        elif plant == "fifo":
+            os.mkfifo(failure)
+        else:
+            failure.write_text("ExitCode 3\nboom")
+    proc = _run(tmp_path, 'printf "READ[%s]" "$(read_failure)"')
+    assert proc.returncode == 0 and f"READ[{want}]" in proc.stdout, proc.stdout + proc.stderr
+    assert "HOST-SECRET" not in proc.stdout
+
+
+LINKS_TRAIN_PY = '''
+import os, pathlib, shutil, sys
+# The stand-in's instance script and this process share one filesystem (run_train_direct), so
+# this file plays a file of the host's (the Docker login's config.json, say).
+secret = pathlib.Path("/host-secret/config.json")
+secret.parent.mkdir(exist_ok=True)
+secret.write_text("HOST-SECRET")
+model = pathlib.Path(os.environ["SM_MODEL_DIR"])
+out = pathlib.Path(os.environ["SM_OUTPUT_DATA_DIR"])
+if os.environ["LINKS"] == "model-folder":
+    shutil.rmtree(model)
+    model.symlink_to(secret.parent)
+    sys.exit(0)
+(model / "weights.pt").write_text("w")
+(model / "leak").symlink_to(secret)
+(model / "hostdir").symlink_to(secret.parent)
+(out / "leak").symlink_to(secret)
+(out / "metrics.json").write_text("{}")
+pathlib.Path(out.parent, "failure").symlink_to(secret)  # the toolkit keeps an existing one
+sys.exit(3)
+'''
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("links", ["failure-and-inside", "model-folder"])
+def test_links_left_in_opt_ml_never_reach_the_status_or_the_archives(infra, aws, tmp_path,
+                                                                     engine, links):
+    """The real instance script in its stand-in: a `failure` file linked to a host file, links
+    inside model/ and output/data/ to it, or a model folder that is a link to the host's
+    folder. Nothing of the host file reaches the job's status, log or archives."""
+    src = tmp_path / "links-src"
+    src.mkdir()
+    (src / "train.py").write_text(LINKS_TRAIN_PY)
+    spec = make_spec(tmp_path, instance_count=1, environment={"LINKS": links},
+                     hyperparameters={"sagemaker_program": '"train.py"'},
+                     sourcedir=build_sourcedir(entry_point="train.py", source_dir=src,
+                                               dest_dir=tmp_path / "links-pkg"))
+    session = ec2_session(infra)
+    job, error, console, _ = _run_job(engine, aws, session, spec, tmp_path)
+    assert job.status == JobStatus.FAILED and error is not None, console[-4000:]
+    s3 = aws.client("s3")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="out-bucket").get("Contents", [])]
+    stored = b"".join(s3.get_object(Bucket="out-bucket", Key=k)["Body"].read() for k in keys)
+    archives = {}
+    for name in ("model", "output"):
+        raw = session.read_bytes(f"s3://out-bucket/jobs/ec2-job-1/output/{name}.tar.gz")
+        if raw is not None:
+            with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+                archives[name] = {m.name: m for m in tar.getmembers()}
+                stored += b"".join(tar.extractfile(m).read() for m in tar if m.isfile())
+    assert b"HOST-SECRET" not in stored and "HOST-SECRET" not in error.reason + console
+    if links == "model-folder":  # refused: no archive, and the status says why
+        assert "refusing to archive model: the training container left a link" in error.reason
+        assert "model" not in archives, archives
+    else:  # the training failure, its link not read; the archives without the outside links
+        assert error.exit_code == 1, error  # the toolkit's status for a failed script
+        assert "left a link at output/failure or its folder: not read" in error.reason
+        assert sorted(archives["model"]) == ["weights.pt"], archives
+        assert sorted(archives["output"]) == ["metrics.json"], archives
+        assert "not archiving model/leak: a link to /host-secret/config.json" in console

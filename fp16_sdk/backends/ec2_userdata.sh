@@ -1,24 +1,15 @@
 #!/bin/bash
-# fp16_sdk EC2 instance script (user data): runs one host of a training job, then shuts down.
-#
-# The SDK renders this template by replacing the settings line below with shell-quoted
-# assignments; nothing else is substituted. Steps:
-#   1. lay out /opt/ml from S3: config files the SDK wrote to <job>/ec2/config/<host>/, the
-#      channel objects listed in that folder's manifest.tsv (the SDK did the sharding);
-#   2. wait for <job>/ec2/hosts.json (algo-N -> private address, written by the SDK once every
-#      instance has one) and pass it to the toolkit as FP16_SDK_HOST_ADDRESSES;
-#   3. run `train` in the image ($FP16_SDK_RUNNER: run_container_docker pulls the image from
-#      ECR unless present with pull policy "missing", uses --gpus all when nvidia-smi works;
-#      run_train_direct runs `train` from this machine's PATH, for a container standing in
-#      for the instance in tests);
-#   4. upload model.tar.gz and output.tar.gz (algo-1), the log, and <job>/ec2/status/<host>.json;
-#   5. shut down ($FP16_SDK_SHUTDOWN; the instance was launched to terminate on shutdown).
-# The code itself is fetched by the toolkit from sagemaker_submit_directory, as on SageMaker.
-# Credentials come from the instance profile (or the environment); none are written here.
-# Nothing the user controls is run as shell code: the job's environment (env.tsv, base64
-# values) reaches the training process as NAME=value arguments and never this script's
-# variables; channel paths from manifest.tsv must stay inside their channel; every file list
-# given to tar follows `--`.
+# fp16_sdk EC2 instance script (user data): one host of a training job, then shutdown.
+# The SDK replaces the settings line below with shell-quoted assignments (nothing else).
+# Steps (docs/remote.md, "What happens"): lay out /opt/ml from <job>/ec2/config/<host>/;
+# wait for ec2/hosts.json; run `train` ($FP16_SDK_RUNNER: in the image with docker, or
+# run_train_direct for test stand-ins); success or failure, archive model/ and output/data/
+# (algo-1 merges every host's, handed over in ec2/artifacts/<host>/); upload the log and
+# ec2/status/<host>.json; shut down. No user value is run as shell code (env.tsv reaches
+# training as NAME=value arguments; manifest paths stay in their channel; tar lists are
+# verbatim). Nothing the container leaves in /opt/ml makes this script (root) read, archive
+# or upload a file outside the job's folders: no link is followed to read the failure file
+# or to archive a folder, and links inside that leave their folder are not archived.
 set -u
 
 # @@FP16_SDK_SETTINGS@@
@@ -31,6 +22,7 @@ done
 : "${ML_ROOT:=/opt/ml}"
 : "${LOG_INTERVAL:=10}"
 : "${HOSTS_TIMEOUT:=900}"
+: "${ARTIFACT_WAIT:=120}"  # how long hosts wait for each other's artifacts (SIGTERM's 120 s)
 export AWS_DEFAULT_REGION="${AWS_DEFAULT_REGION:-$REGION}"
 WORK="$(mktemp -d /tmp/fp16-sdk-job.XXXXXX)"
 LOG="$WORK/$CURRENT_HOST.log"
@@ -196,13 +188,56 @@ run_train_direct() {
     (cd / && with_limit env "${RUN_ENV[@]}" SAGEMAKER_BASE_DIR="$ML_ROOT" train)
 }
 
-tarball() {  # dir dest: the folder's contents at the archive root
-    local -a names=()
-    local name
-    while IFS= read -r -d '' name; do names+=("$name"); done \
-        < <(cd "$1" && find . -mindepth 1 -maxdepth 1 -printf '%P\0')
-    if [ "${#names[@]}" = 0 ]; then (cd "$1" && tar -czf "$2" -T /dev/null); return; fi
-    (cd "$1" && tar -czf "$2" -- "${names[@]}")  # `--`: a file named -x is a file
+archive_list() {  # dir list: NUL-separated entries of dir to archive, outside links left out
+    local dir="$1" entry target resolved
+    : > "$2"
+    while IFS= read -r -d '' entry; do
+        if [ -L "$dir/$entry" ]; then
+            target="$(readlink -- "$dir/$entry")"
+            resolved="$(realpath -m -s -- "$(dirname -- "$dir/$entry")/$target")"
+            case "$target" in /*) resolved="/" ;; esac  # absolute: the host's, not the job's
+            case "$resolved/" in
+                "$dir"/*) ;;
+                *) say "not archiving ${dir#"$ML_ROOT"/}/$entry: a link to $target, outside" \
+                       "${dir#"$ML_ROOT"/}"; continue ;;
+            esac
+        fi
+        printf '%s\0' "$entry" >> "$2"
+    done < <(cd "$dir" && find . -mindepth 1 -printf '%P\0')
+}
+
+real_dir() {  # path under ML_ROOT: 0 if a directory with no link on its way from ML_ROOT
+    local p="$1"
+    while [ "$p" != "$ML_ROOT" ] && [ "$p" != / ] && [ "$p" != . ]; do
+        [ -L "$p" ] && return 1
+        p="$(dirname -- "$p")"
+    done
+    [ -d "$1" ]
+}
+
+tarball() {  # dir dest: the folder's contents at the archive root (an uncompressed tar)
+    local dir list="$2.list"
+    dir="$(realpath -s -- "$1")"
+    archive_list "$dir" "$list" || return 1
+    # exactly the listed entries; a name like -x is a file; links stay links (no -h)
+    tar -cf "$2" -C "$dir" --no-recursion --null --verbatim-files-from -T "$list"
+}
+
+make_part() {  # kind dir: this host's part of the <kind> archive, $WORK/parts/<host>.<kind>.tar
+    mkdir -p "$WORK/parts"
+    local dest="$WORK/parts/$CURRENT_HOST.$1.tar" empty="$WORK/parts/.empty"
+    if [ -e "$2" ] || [ -L "$2" ]; then
+        if ! real_dir "$2"; then
+            local where="${2#"$ML_ROOT"/}"
+            ARTIFACT_PROBLEM="refusing to archive $where: the training container left a link"
+            ARTIFACT_PROBLEM+=" ($where -> $(readlink -- "$2" || echo '?'), or one on its path)"
+            ARTIFACT_PROBLEM+=" where the folder should be"
+            return 1
+        fi
+        tarball "$2" "$dest"
+        return
+    fi
+    mkdir -p "$empty" && tarball "$empty" "$dest"  # the container removed it: nothing to add
 }
 
 load_run_env() {  # RUN_ENV=(NAME=value ...): AWS settings, env.tsv's (base64), host list
@@ -221,14 +256,77 @@ load_run_env() {  # RUN_ENV=(NAME=value ...): AWS settings, env.tsv's (base64), 
     RUN_ENV+=("FP16_SDK_HOST_ADDRESSES=$FP16_SDK_HOST_ADDRESSES")
 }
 
-upload_artifacts() {
+host_names() {  # every host of the job, algo-1 first
+    grep -o '"algo-[0-9]*"' "$WORK/hosts.json" | tr -d '"' | sort -u -t- -k2,2n
+}
+
+wait_for() {  # uri [seconds]: 0 once the object exists (within ARTIFACT_WAIT), else 1
+    local waited=0
+    until s3 get "$1" "$WORK/.probe" >/dev/null 2>&1; do
+        [ "$waited" -lt "${2:-$ARTIFACT_WAIT}" ] || return 1
+        sleep 2
+        waited=$((waited + 2))
+    done
+}
+
+hand_over_artifacts() {  # not algo-1: this host's parts, for algo-1 to merge
+    local kind base="$JOB_URI/ec2/artifacts/$CURRENT_HOST"
+    for kind in model output; do
+        s3 put "$WORK/parts/$CURRENT_HOST.$kind.tar" "$base/$kind.tar" || return 1
+    done
+    printf '{}' > "$WORK/done.json" && s3 put "$WORK/done.json" "$base/done.json"
+}
+
+merge_artifacts() {  # status: every host's parts into the job's model.tar.gz, output.tar.gz
+    local host kind part merged limit="$ARTIFACT_WAIT"
+    local -a others=()
+    [ "$1" = Completed ] && limit="$HOSTS_TIMEOUT"  # the job ends with its slowest host anyway
+    while IFS= read -r host; do
+        [ "$host" = algo-1 ] && continue
+        if wait_for "$JOB_URI/ec2/artifacts/$host/done.json" "$limit"; then
+            others+=("$host")
+        else
+            say "no artifacts from $host within ${limit}s; the archives hold the others'"
+        fi
+    done < <(host_names)
+    for kind in model output; do
+        merged="$WORK/$kind.tar"
+        cp -- "$WORK/parts/algo-1.$kind.tar" "$merged" || return 1
+        for host in "${others[@]}"; do
+            part="$WORK/parts/$host.$kind.tar"
+            s3 get "$JOB_URI/ec2/artifacts/$host/$kind.tar" "$part" || return 1
+            # next host's members in front: a clash is extracted last from the lowest host
+            tar -A -f "$part" -- "$merged" && mv -- "$part" "$merged" || return 1
+        done
+        [ "$kind" = output ] && [ -z "$(tar -tf "$merged" | head -c 1)" ] && continue
+        gzip -c -- "$merged" > "$merged.gz" || return 1
+        s3 put "$merged.gz" "$OUTPUT_URI/output/$kind.tar.gz" || return 1
+    done
+}
+
+upload_artifacts() {  # status: uploads whether training succeeded or failed, as SageMaker
     STAGE="uploading artifacts"
-    [ "$CURRENT_HOST" = algo-1 ] || return 0
-    tarball "$ML_ROOT/model" "$WORK/model.tar.gz" || return 1
-    s3 put "$WORK/model.tar.gz" "$OUTPUT_URI/output/model.tar.gz" || return 1
-    if [ -n "$(ls -A "$ML_ROOT/output/data" 2>/dev/null)" ]; then
-        tarball "$ML_ROOT/output/data" "$WORK/output.tar.gz" || return 1
-        s3 put "$WORK/output.tar.gz" "$OUTPUT_URI/output/output.tar.gz" || return 1
+    ARTIFACT_PROBLEM="could not archive or upload the artifacts to $OUTPUT_URI"
+    make_part model "$ML_ROOT/model" || return 1
+    make_part output "$ML_ROOT/output/data" || return 1
+    if [ "$CURRENT_HOST" = algo-1 ]; then
+        merge_artifacts "$1"
+        return
+    fi
+    hand_over_artifacts || return 1
+    # a Failed status ends the job (every instance terminated): let algo-1 merge first
+    if [ "$1" != Completed ] && ! wait_for "$JOB_URI/ec2/status/algo-1.json"; then
+        say "algo-1 did not finish within ${ARTIFACT_WAIT}s; reporting this host's failure"
+    fi
+    return 0
+}
+
+read_failure() {  # the first 1024 bytes of output/failure, when it is a regular file reached
+    local f="$ML_ROOT/output/failure"  # by no link (the container may have left links)
+    if [ -L "$ML_ROOT/output" ] || [ -L "$f" ]; then
+        echo "the training container left a link at ${f#"$ML_ROOT"/} or its folder: not read"
+    elif [ -f "$f" ] && [ -s "$f" ]; then
+        dd if="$f" bs=1024 count=1 iflag=nofollow,nonblock status=none
     fi
 }
 
@@ -243,18 +341,20 @@ main() {
           s3 put "$LOG" "$JOB_URI/ec2/logs/$CURRENT_HOST.log" >/dev/null 2>&1
       done ) &
     LOG_LOOP=$!
-    local code=0
+    local code=0 status=Completed reason="" failure
     "$FP16_SDK_RUNNER" || code=$?
     say "train exited with $code"
-    if [ "$code" = 0 ]; then
-        upload_artifacts || fail "could not upload the artifacts to $OUTPUT_URI"
-        write_status Completed 0 ""
-        return 0
+    if [ "$code" != 0 ]; then
+        status=Failed reason="exit code $code; see the log"
+        [ "$code" = 124 ] && reason="MaxRuntimeInSeconds ($MAX_RUN) exceeded"
+        failure="$(read_failure)"
+        [ -n "$failure" ] && reason="$failure"
     fi
-    local reason="exit code $code; see the log"
-    [ "$code" = 124 ] && reason="MaxRuntimeInSeconds ($MAX_RUN) exceeded"
-    [ -s "$ML_ROOT/output/failure" ] && reason="$(head -c 1024 "$ML_ROOT/output/failure")"
-    write_status Failed "$code" "$reason"
+    if ! upload_artifacts "$status"; then
+        say "$ARTIFACT_PROBLEM"
+        if [ "$status" = Completed ]; then status=Failed code=1 reason="$ARTIFACT_PROBLEM"; fi
+    fi
+    write_status "$status" "$code" "$reason"
 }
 
 main

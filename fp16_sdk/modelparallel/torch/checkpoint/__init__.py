@@ -2,8 +2,9 @@
 `smp.resume_from_checkpoint`.
 
 Modules: torch_save.py (`smp.save` / `smp.load`: torch.save/torch.load with per-partition file
-names), files.py (the on-disk side: atomic files, manifests, `newest`, pruning; no collectives,
-no runtime state), layout.py (who writes and reads which file), collective.py (the world-group
+names), safe_load.py (every load: weights-only with an allow-list), files.py (the on-disk
+side: atomic files, manifests, `newest`, pruning; no collectives, no runtime state),
+layout.py (who writes and reads which file), collective.py (the world-group
 collectives a save or resume runs), save.py (`save_checkpoint`), resume.py
 (`resume_from_checkpoint` and the apply that waits for the partitioned model).
 
@@ -29,11 +30,17 @@ Crash safety: each file is written to a temporary name in its folder, fsync'ed a
 committed by `.complete.json` and only then does `newest` move (also by rename). A save
 killed half way leaves a folder without `.complete.json`: `resume_from_checkpoint` refuses it
 with `IncompleteCheckpointError`, naming the files `.plan.json` expected that are missing,
-while `newest` still names the previous checkpoint, which loads as before.
+while `newest` still names the previous checkpoint, which loads as before. Resuming with no
+tag takes the newest checkpoint `newest` lists that is complete and undamaged on every rank
+(a truncated or garbage manifest, plan or file is skipped on all ranks, rank 0 logs which and
+why); every damaged file is a CheckpointError naming it, `newest` itself included.
 
 Re-saving a tag that exists never writes into its folder (it may be the one `newest`
 names): the save goes to `.<tag>_partial.new` and is swapped in after its manifest
-(files.begin_save / commit_save). Every file a rank loads, its RNG state included, is checked against the manifest's sha256, and loaded with weights_only=True.
+(files.begin_save / commit_save). Every file a rank loads, its RNG state included, is checked
+against the manifest's sha256 and loaded by torch's weights-only unpickler with smp's
+allow-list (safe_load.py: also numpy scalars/arrays and transformers configs), as `smp.load`
+loads by default; `weights_only=False` (an explicit argument of both) unpickles anything.
 
 Test hook: `FP16_SDK_CKPT_TEST_PAUSE_AFTER=<glob>` makes a rank sleep after it renamed a file
 whose name (or "<folder>/<name>", e.g. "step8_partial/optimizer_*") matches, so a test can

@@ -13,9 +13,10 @@ names): `begin_save` sends it to `.<name>.new`, and `commit_save` swaps it in by
 `.<name>.old`, which `resolve_folder` reads in place of the missing `<name>` and the next
 `begin_save` moves back.
 
-Loading: `load` is `torch.load(weights_only=True)`: tensors, numbers, strings and plain
-containers only (every smp file is made of those), so a planted pickle cannot run code; a
-file holding anything else is refused naming the file and the type.
+Loading: `load` is torch's weights-only unpickler with the allow-list of safe_load.py
+(tensors, containers, numbers, strings, numpy scalars and arrays, transformers configs), so a
+planted pickle cannot run code; a file holding anything else is refused naming the file and
+the global, unless the resume was called with weights_only=False.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import fnmatch
 import hashlib
 import io
 import json
+import logging
 import os
-import pickle
 import shutil
 import sys
 import time
@@ -33,6 +34,7 @@ import time
 import torch
 
 from ..errors import CheckpointError
+from . import safe_load
 
 __all__ = ["IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST", "atomic_write",
            "save_torch", "save_json", "read_json", "load", "sha256_of", "read_newest",
@@ -40,6 +42,7 @@ __all__ = ["IncompleteCheckpointError", "NEWEST", "PLAN", "MANIFEST", "atomic_wr
            "commit_save", "resolve_folder"]
 
 NEWEST, PLAN, MANIFEST = "newest", ".plan.json", ".complete.json"
+log = logging.getLogger("smp.checkpoint")
 PAUSE_ENV = "FP16_SDK_CKPT_TEST_PAUSE_AFTER"
 
 
@@ -124,31 +127,36 @@ def sha256_of(path: str) -> str:
 
 
 def read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-
-
-def load(path: str):
-    """torch.load onto the CPU with weights_only=True.
+    """The JSON object in `path` (None when there is no such file).
 
     Raises:
-        CheckpointError: the file holds an object torch's weights-only unpickler does not
-            allow (a planted or foreign pickle), naming the file and what it holds.
+        IncompleteCheckpointError: the file is truncated, garbage or not a JSON object.
     """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = next((line.strip() for line in str(exc).splitlines()
-                      if "GLOBAL" in line or "Unsupported" in line), str(exc).splitlines()[0])
-        raise CheckpointError(
-            f"refusing to load checkpoint file {path!r}: it holds more than tensors, numbers, "
-            f"strings and containers ({first}); smp checkpoints never do, so it was written "
-            f"by something else. If you wrote it yourself with such objects (e.g. in "
-            f"user_content) and trust it, allow the type with "
-            f"torch.serialization.add_safe_globals([...]) before resuming") from None
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IncompleteCheckpointError(
+            f"checkpoint file {path!r} is damaged: not valid JSON ({exc}); the checkpoint "
+            f"it belongs to cannot be used: resume an older one") from None
+    if not isinstance(data, dict):
+        raise IncompleteCheckpointError(f"checkpoint file {path!r} is damaged: it holds a "
+                                        f"JSON {type(data).__name__}, not an object")
+    return data
+
+
+def load(path: str, *, weights_only: bool = True):
+    """Load a checkpoint file onto the CPU, weights-only with smp's allow-list (safe_load.py).
+
+    Raises:
+        CheckpointError: the file holds a type outside the allow-list (a planted pickle, or
+            your own class in user_content): names the file, the global and how to accept
+            it; or it cannot be unpickled at all.
+    """
+    return safe_load.load(path, map_location="cpu", weights_only=weights_only,
+                          opt_in="smp.resume_from_checkpoint(..., weights_only=False)")
 
 
 # ---- saves that never touch a committed folder --------------------------------------------
@@ -209,12 +217,41 @@ def resolve_folder(folder: str) -> str:
 
 # ---- the newest list and pruning ----------------------------------------------------------
 def read_newest(path: str) -> list[str]:
-    """The partial checkpoints `newest` lists, oldest first ([] when there is none)."""
+    """The partial checkpoints `newest` lists, oldest first ([] when there is none).
+
+    An entry is a folder name ending in `_partial` (what update_newest writes); a line that
+    is not (a truncated last line, say) is kept, and fails as a missing folder on resume.
+
+    Raises:
+        CheckpointError: `newest` is not text (garbage), or names something outside `path`.
+    """
+    target = os.path.join(path, NEWEST)
     try:
-        with open(os.path.join(path, NEWEST)) as f:
-            return [line.strip() for line in f if line.strip()]
+        with open(target, "rb") as f:
+            text = f.read().decode("utf-8")
     except FileNotFoundError:
         return []
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"checkpoint index {target!r} is damaged (not text: {exc}); pass tag=<one of "
+            f"{_partial_folders(path)}> to resume_from_checkpoint, or delete the file") from None
+    entries = [line.strip() for line in text.splitlines() if line.strip()]
+    bad = [e for e in entries if os.sep in e or e.startswith(".") or "\0" in e]
+    if bad:
+        raise CheckpointError(f"checkpoint index {target!r} is damaged: entries {bad} are not "
+                              f"checkpoint folder names; pass tag=<one of "
+                              f"{_partial_folders(path)}> or delete the file")
+    return entries
+
+
+def _partial_folders(path: str) -> list[str]:
+    """The committed partial checkpoints in `path` (for a message: which tags exist)."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    return [n[: -len("_partial")] for n in names if n.endswith("_partial")
+            and os.path.isfile(os.path.join(path, n, MANIFEST))]
 
 
 def update_newest(path: str, entry: str, keep: int | None) -> list[str]:
@@ -223,7 +260,12 @@ def update_newest(path: str, entry: str, keep: int | None) -> list[str]:
     Returns:
         The folders pruned.
     """
-    entries = [e for e in read_newest(path) if e != entry] + [entry]
+    try:
+        listed = read_newest(path)
+    except CheckpointError as exc:  # a damaged index must not stop every later save
+        log.warning("%s; rewriting it with %s only", exc, entry)
+        listed = []
+    entries = [e for e in listed if e != entry] + [entry]
     pruned = entries[:-keep] if keep else []
     entries = entries[len(pruned):]
     atomic_write(os.path.join(path, NEWEST),
@@ -246,17 +288,36 @@ def read_manifest(folder: str) -> dict:
         raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
     manifest = read_json(os.path.join(folder, MANIFEST))
     if manifest is not None:
+        _check_manifest(os.path.join(folder, MANIFEST), manifest)
         return manifest
     plan = read_json(os.path.join(folder, PLAN))
     if plan is None:
         raise IncompleteCheckpointError(
             f"checkpoint {folder!r} is incomplete: it has neither {MANIFEST} nor {PLAN} "
             f"(its save stopped before writing anything); resume an older tag")
-    missing = sorted(f for f in plan["files"] if not os.path.exists(os.path.join(folder, f)))
+    planned = plan.get("files")
+    if not isinstance(planned, list) or not all(isinstance(f, str) for f in planned):
+        raise IncompleteCheckpointError(
+            f"checkpoint {folder!r} is incomplete ({MANIFEST} is missing) and its "
+            f"{os.path.join(folder, PLAN)!r} is damaged (no list of files); resume an older tag")
+    missing = sorted(f for f in planned if not os.path.exists(os.path.join(folder, f)))
     raise IncompleteCheckpointError(
         f"checkpoint {folder!r} is incomplete: its save did not finish ({MANIFEST} is "
         f"missing); missing files: {missing or 'none, but the save was not committed'}; "
         f"resume an older tag (the 'newest' file still names the last complete one)")
+
+
+def _check_manifest(target: str, manifest: dict) -> None:
+    """The keys resume reads, with the types it expects (a forged or damaged manifest)."""
+    records = manifest.get("files")
+    ok = isinstance(records, dict) and all(
+        isinstance(r, dict) and isinstance(r.get("size"), int)
+        and isinstance(r.get("sha256"), str) for r in records.values())
+    ints = ("pp", "tp", "rdp", "world_size")
+    if not ok or not all(isinstance(manifest.get(k), int) for k in ints):
+        raise IncompleteCheckpointError(
+            f"checkpoint file {target!r} is damaged: it needs 'files' (name: size, sha256) "
+            f"and integer {', '.join(ints)}; resume an older tag")
 
 
 def check_files(folder: str, records: dict, names: list[str]) -> None:

@@ -9,6 +9,7 @@ DistributedModel does not exist yet (apply_pending_resume, called by smp.step).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import CheckpointError
 from ..state import state
 from . import files
-from .collective import agree
-from .files import NEWEST
+from .collective import agree, allgather, gather_problems, raise_first
+from .files import NEWEST, IncompleteCheckpointError
 from .layout import coords, set_rng_state, sharded
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ log = logging.getLogger("smp.checkpoint")
 
 
 def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optimizer=True,
-                           load_sharded_optimizer_state=True, translate_function=None):
+                           load_sharded_optimizer_state=True, translate_function=None, *,
+                           weights_only=True):
     """Resume from a checkpoint written by save_checkpoint (collective: every rank calls it).
 
     RNG state and the step count are restored now; weights, fp32 masters, optimizer and
@@ -44,8 +46,9 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
 
     Args:
         path: the checkpoint folder.
-        tag: the tag to load; None: the newest partial checkpoint (`newest`). Required for a
-            full checkpoint.
+        tag: the tag to load; None: the newest complete partial checkpoint `newest` lists
+            (a damaged or incomplete newer one is skipped, and the log says which and why).
+            Required for a full checkpoint.
         partial: load `<tag>_partial/` (same pp and tp as saved; any rdp) or, when False, the
             full model file `<path>/<tag>` into any pp x tp layout (optimizer not loaded).
             Partial checkpoints saved with shard_optimizer_state load into any rdp.
@@ -56,6 +59,11 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
             shard_optimizer_state each rank reads its own slice files, or, when the rdp size
             changed, every saved slice of its partition and reshards them.
         translate_function: applied to a full state dict before loading (e.g. HF -> smp keys).
+        weights_only: True (default): every file is loaded by torch's weights-only unpickler
+            with smp's allow-list (tensors, containers, numbers, strings, torch dtypes/sizes,
+            numpy scalars/arrays, transformers configs), so a planted file cannot run code.
+            False unpickles anything (your own classes in user_content): only for a
+            checkpoint folder nobody else can write to. Not in smp v1.
 
     Returns:
         The user_content saved with the checkpoint (None if none was).
@@ -63,49 +71,98 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     Raises:
         IncompleteCheckpointError: the save did not finish (names the missing files) or a file
             does not match the manifest.
-        CheckpointError: no such checkpoint, a different pp/tp layout; at the first step,
-            optimizer state to load and no DistributedOptimizer.
+        CheckpointError: no such checkpoint, a different pp/tp layout, a file holding a
+            type outside the allow-list (names the file and the global); at the first
+            step, optimizer state to load and no DistributedOptimizer.
     """
     state.require_init("smp.resume_from_checkpoint")
     if not isinstance(path, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint path must be a folder name (str), got "
                               f"{type(path).__name__}")
     path = os.fspath(path)
+    if not isinstance(weights_only, bool):
+        raise CheckpointError(f"resume_from_checkpoint(weights_only={weights_only!r}): pass "
+                              f"True (the default, safe) or False (unpickle anything)")
+    load = functools.partial(files.load, weights_only=weights_only)
     if not partial:
-        return _resume_full(path, tag, strict, translate_function)
-    folder, problem = _partial_folder(path, tag), None
-    try:
-        manifest = _verify_partial(folder)
+        return _resume_full(path, tag, strict, translate_function, load)
+    folder, manifest = _newest_complete(path) if tag is None else _tagged(path, tag)
+    records, problem, rng, pending, user = manifest["files"], None, None, {}, None
+    try:  # a refused file on one rank must stop every rank here, not hang the others later
+        rng_name = "rng_states_{}_{}_{}.pt".format(*coords())
+        if rng_name in records and manifest["world_size"] == state.topology.world_size:
+            rng = load(os.path.join(folder, rng_name))
+        elif state.rank == 0:
+            log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
+                        "restored", folder, manifest["world_size"], state.topology.world_size)
+        pending = _read_partial(folder, records, load_optimizer, manifest["rdp"], load)
+        if "user_content.pt" in records:
+            user = load(os.path.join(folder, "user_content.pt"))
     except CheckpointError as exc:
-        manifest, problem = None, exc
+        problem = exc
     agree(problem)
-    records = manifest["files"]
-    rng_name, rng = "rng_states_{}_{}_{}.pt".format(*coords()), None
-    if rng_name in records and manifest["world_size"] == state.topology.world_size:
-        rng = files.load(os.path.join(folder, rng_name))
-    elif state.rank == 0:
-        log.warning("checkpoint %s was saved by %d ranks, this job has %d: RNG states not "
-                    "restored", folder, manifest["world_size"], state.topology.world_size)
-    pending = _read_partial(folder, records, load_optimizer, manifest["rdp"])
     _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
                                                                      strict, load_optimizer),
                             rng=rng)
-    user = os.path.join(folder, "user_content.pt")
-    return files.load(user) if "user_content.pt" in records else None
+    return user
 
 
-def _partial_folder(path: str, tag) -> str:
-    if tag is None:
+def _tagged(path: str, tag) -> tuple[str, dict]:
+    """The folder of `tag` and its checked manifest (the same on every rank, or an error on
+    every rank)."""
+    if not isinstance(tag, str) or not tag:
+        raise CheckpointError(f"checkpoint tag ({tag!r}) must be a non-empty str")
+    folder = files.resolve_folder(
+        os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial"))
+    manifest, problem = None, None
+    try:
+        manifest = _verify_partial(folder)
+    except CheckpointError as exc:
+        problem = exc
+    agree(problem)
+    return folder, manifest
+
+
+def _newest_complete(path: str) -> tuple[str, dict]:
+    """The newest checkpoint `newest` lists that is complete and undamaged on every rank.
+
+    Rank 0's list is the one walked (each host may have its own copy of the folder). A
+    checkpoint that is incomplete or damaged on any rank (IncompleteCheckpointError, or its
+    folder missing) is skipped on all of them, and rank 0 logs which and why; any other
+    problem (another layout, another sharding) stops the resume on every rank.
+    """
+    entries, problem = [], None
+    try:
         entries = files.read_newest(path)
         if not entries:
             raise CheckpointError(f"no {os.path.join(path, NEWEST)!r}: there is no partial "
-                                  f"checkpoint to resume in {path!r}; pass tag=... or check the "
-                                  f"path")
-        return files.resolve_folder(os.path.join(path, entries[-1]))
-    if not isinstance(tag, str) or not tag:
-        raise CheckpointError(f"checkpoint tag ({tag!r}) must be a non-empty str")
-    return files.resolve_folder(
-        os.path.join(path, tag if tag.endswith("_partial") else f"{tag}_partial"))
+                                  f"checkpoint to resume in {path!r}; pass tag=... or check "
+                                  f"the path")
+    except CheckpointError as exc:
+        problem = exc
+    agree(problem)
+    entries, skipped = allgather(entries)[0], []
+    for entry in reversed(entries):
+        folder, manifest, problem = files.resolve_folder(os.path.join(path, entry)), None, None
+        try:
+            if not os.path.isdir(folder):
+                raise IncompleteCheckpointError(f"checkpoint folder {folder!r} does not exist")
+            manifest = _verify_partial(folder)
+        except CheckpointError as exc:
+            problem = exc
+        found = gather_problems(problem)
+        if not found:
+            return folder, manifest
+        raise_first([(r, p) for r, p in found if not isinstance(p, IncompleteCheckpointError)])
+        rank, reason = found[0]
+        skipped.append(f"{entry} (rank {rank}: {reason})")
+        if state.rank == 0:
+            log.warning("smp.resume_from_checkpoint: skipping checkpoint %s, which %s lists, "
+                        "because it is damaged or incomplete on rank %d: %s; trying the next "
+                        "older one", entry, os.path.join(path, NEWEST), rank, reason)
+    raise IncompleteCheckpointError(
+        f"no complete checkpoint to resume in {path!r}: every one {NEWEST!r} lists is damaged "
+        f"or incomplete: {'; '.join(skipped)}")
 
 
 def _verify_partial(folder: str) -> dict:
@@ -158,20 +215,20 @@ def _read_names(records, saved_rdp: int) -> list[str]:
     return [n for n in names if n in records]
 
 
-def _read_partial(folder: str, records, load_optimizer: bool, saved_rdp: int) -> dict:
+def _read_partial(folder: str, records, load_optimizer: bool, saved_rdp: int, load) -> dict:
     pending = {}
     name = "model_{}_{}.pt".format(*coords()[:2])
     if name in records:
-        pending["model"] = files.load(os.path.join(folder, name))
+        pending["model"] = load(os.path.join(folder, name))
     if not load_optimizer:
         return pending
     parts = []
     for info in _optimizer_infos(saved_rdp):
         if f"optimizer_{info}.pt" not in records:
             continue
-        part = dict(files.load(os.path.join(folder, f"optimizer_{info}.pt")))
+        part = dict(load(os.path.join(folder, f"optimizer_{info}.pt")))
         if f"fp16_states_{info}.pt" in records:
-            part.update(files.load(os.path.join(folder, f"fp16_states_{info}.pt")))
+            part.update(load(os.path.join(folder, f"fp16_states_{info}.pt")))
         parts.append(part)
     if len(parts) == 1 and (not sharded() or saved_rdp == state.topology.rdp):
         pending["optimizer"] = parts[0]
@@ -251,7 +308,7 @@ def _refresh_masters(optimizer) -> None:
         optimizer.reload_masters_from_model()
 
 
-def _resume_full(path: str, tag, strict: bool, translate_function):
+def _resume_full(path: str, tag, strict: bool, translate_function, load):
     if not isinstance(tag, str) or not tag:
         raise CheckpointError(f"resume_from_checkpoint(partial=False) needs tag=<the full "
                               f"checkpoint's file name in {path!r}>, got {tag!r}")
@@ -260,7 +317,7 @@ def _resume_full(path: str, tag, strict: bool, translate_function):
         f"full checkpoint {target!r} does not exist (a save with partial=False writes "
         f"<path>/<tag>; partial checkpoints load with partial=True)")
     agree(problem)
-    sd = files.load(target)
+    sd = load(target)
     if translate_function is not None:
         sd = translate_function(sd)
     sd = {k: v for k, v in sd.items() if k != "_smp_is_partial"}
@@ -270,4 +327,4 @@ def _resume_full(path: str, tag, strict: bool, translate_function):
         _refresh_masters(optimizer)
     _apply_when_partitioned(apply)
     user = os.path.join(path, f"user_content_{tag}")
-    return files.load(user) if os.path.isfile(user) else None
+    return load(user) if os.path.isfile(user) else None

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..state import state
+from . import safe_load
 
 __all__ = ["save", "load", "partial_path"]
 
@@ -78,25 +79,45 @@ def save(obj, f, partial: bool = True, v3: bool = False, pickle_module=pickle,
 
 
 def load(f, map_location=None, pickle_module=None, partial: bool = True,
-         back_compat: bool = False, **pickle_load_args):
+         back_compat: bool = False, *, weights_only: bool = True, **pickle_load_args):
     """Load what `save` wrote: this partition's file when partial, else `f` itself.
+
+    Safe by default: torch's weights-only unpickler with smp's allow-list (tensors,
+    containers, numbers, strings, torch dtypes/sizes, numpy scalars/arrays, transformers
+    configs; checkpoint/safe_load.py), so a planted file cannot run code in the job.
 
     Args:
         f: the file name given to save.
         map_location: as torch.load (device, str, dict or function).
-        pickle_module: as torch.load (None: torch's default).
+        pickle_module: as torch.load; unpickles anything, so only with weights_only=False.
         partial: read this rank's partial file, in whichever layout is on disk (per rank
             `_{pp}_{tp}_{rdp}`, per partition `_{pp}_{tp}` or `_{mp_rank}`).
         back_compat: only the suffix-less names of smp before 1.10 (which `save` writes);
             False also accepts smp 1.10+'s `.pt`-suffixed names.
+        weights_only: False unpickles arbitrary objects (torch.load's full pickle): only for
+            a file you trust, since whoever can write it can run code in your job.
+        pickle_load_args: further torch.load arguments (e.g. mmap).
 
     Returns:
         The saved object.
 
     Raises:
-        CheckpointError: the file does not exist (names the paths tried and the partial flag).
+        CheckpointError: the file does not exist (names the paths tried and the partial flag),
+            holds an object outside the allow-list (names the file, the global and the
+            argument to pass), or cannot be unpickled.
     """
     path = _check_path(f)
+    if weights_only is None:  # torch.load's "default": ours is weights-only
+        weights_only = True
+    if not isinstance(weights_only, bool):
+        raise CheckpointError(f"smp.load(weights_only={weights_only!r}): pass True (the "
+                              f"default, safe) or False (unpickle anything; trusted files only)")
+    if pickle_module is not None and weights_only:
+        name = getattr(pickle_module, "__name__", pickle_module)
+        raise CheckpointError(f"smp.load(pickle_module={name}) "
+                              f"unpickles arbitrary objects, which the default weights-only "
+                              f"load does not: pass weights_only=False as well if you trust "
+                              f"{path!r}, or leave pickle_module out")
     tried = [path]
     if partial:
         tried = _partial_candidates(path, back_compat)
@@ -105,8 +126,8 @@ def load(f, map_location=None, pickle_module=None, partial: bool = True,
         hint = ("saved with partial=False? load it with partial=False" if partial
                 else "saved with partial=True? load it with partial=True")
         raise CheckpointError(f"checkpoint file {path!r} does not exist (tried {tried}; {hint})")
-    kwargs = dict(pickle_load_args)
     if pickle_module is not None:
-        kwargs["pickle_module"] = pickle_module
-    kwargs.setdefault("weights_only", False)  # smp checkpoints hold arbitrary user objects
-    return torch.load(path, map_location=map_location, **kwargs)
+        pickle_load_args["pickle_module"] = pickle_module
+    return safe_load.load(path, map_location=map_location, weights_only=weights_only,
+                          opt_in=f"smp.load({os.fspath(f)!r}, ..., weights_only=False)",
+                          **pickle_load_args)
