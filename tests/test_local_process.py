@@ -403,3 +403,29 @@ def test_failure_file_is_read_bounded_and_cut_characters_replaced(tmp_path):
     assert code == 3
     assert text.endswith(f"x\ufffd\n[failure file cut at {lc.FAILURE_FILE_LIMIT} bytes]")
     assert len(text) < lc.FAILURE_FILE_LIMIT + 100
+
+
+def test_a_literal_opt_ml_path_the_script_writes_is_reported(job, monkeypatch, caplog):
+    """AWS's GPT scripts default --checkpoint-dir to /opt/ml/checkpoints. In local_process the
+    hosts are processes of this machine, so that literal path is this machine's, shared by the
+    hosts and never collected: the job says so. The machine's root is moved to a temporary
+    folder here (the test does not write into /opt/ml)."""
+    from fp16_sdk.backends import local_process
+    machine_root = job.tmp / "machine-opt-ml"
+    (machine_root / "old").mkdir(parents=True)
+    (machine_root / "old" / "before.txt").write_text("written before the job")
+    monkeypatch.setattr(local_process, "SAGEMAKER_ROOT", machine_root)
+    est = job("literal.py", '''
+        import os, sys
+        root = sys.argv[sys.argv.index("--root") + 1]
+        host = os.environ["SM_CURRENT_HOST"]
+        os.makedirs(os.path.join(root, "checkpoints"), exist_ok=True)
+        open(os.path.join(root, "checkpoints", host + ".pt"), "w").write("x")
+        ''', hyperparameters={"root": str(machine_root)})
+    with caplog.at_level("WARNING", logger="fp16_sdk.backends.local_process"):
+        est.fit(logs=False)
+    warned = [r.getMessage() for r in caplog.records if "changed" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert "2 file(s)" in warned[0] and "algo-1.pt" in warned[0] and "before.txt" not in warned[0]
+    assert "SM_MODEL_DIR" in warned[0]
+    assert any("WARNING while job" in ln for ln in est.latest_training_job.log_lines())

@@ -262,9 +262,28 @@ class LocalProcessJob(JobHandle):
             if not self.options.keep_job_dir:
                 lc.remove_hosts(self.spec)
         self._end_time = dt.datetime.now(dt.timezone.utc)
+        self._note_escapes()
         _LIVE.discard(self)
         self._done.set()
         self._log.close()
+
+    def _note_escapes(self) -> None:
+        """Warn when files under this machine's own /opt/ml changed while the job ran (see
+        `written_under`): nothing can relocate a literal path for processes of this machine."""
+        written = written_under(SAGEMAKER_ROOT, since=self._start_time.timestamp())
+        if not written:
+            return
+        shown = ", ".join(str(p) for p in written[:3]) + (" ..." if len(written) > 3 else "")
+        message = (f"while job {self.name} ran, {len(written)} file(s) under this machine's "
+                   f"{SAGEMAKER_ROOT} changed ({shown}): with "
+                   f"instance_type='local_process' each host's /opt/ml is its folder under "
+                   f"{lc.job_dir(self.spec) / 'hosts'}, reached through SAGEMAKER_BASE_DIR and the "
+                   f"SM_* variables; a path the script writes literally is not relocated, is "
+                   f"shared by every host and is not collected (checkpoints included). Read "
+                   f"SM_MODEL_DIR / SM_OUTPUT_DATA_DIR, pass the folder as a hyperparameter, or "
+                   f"run with instance_type='local' (Docker maps /opt/ml for each host)")
+        log.warning("%s", message)
+        self._log.add(f"fp16_sdk | WARNING {message}")
 
     def _failure(self, host: str | None, reason: str | None) -> TrainingJobFailedError:
         """The failure where the error began (`origin_failure` over every host's failure
@@ -345,6 +364,31 @@ class LocalProcessJob(JobHandle):
             final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
                            if done else None),
             extra={"HostExitCodes": self.exit_codes})
+
+
+SAGEMAKER_ROOT = Path("/opt/ml")
+_ESCAPE_SCAN = 1000  # entries looked at, at most: a warning needs a few examples, not a census
+
+
+def written_under(root: Path, *, since: float) -> list[Path]:
+    """Files under `root` modified at or after `since` (epoch seconds), without following
+    links, at most `_ESCAPE_SCAN` entries visited. A local_process host's processes run on this
+    machine, so a script that writes /opt/ml/... literally (AWS's GPT scripts default
+    --checkpoint-dir to /opt/ml/checkpoints) writes here, not into its host's tree."""
+    found, visited = [], 0
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        for name in files:
+            visited += 1
+            path = Path(folder) / name
+            try:
+                if path.lstat().st_mtime >= since:
+                    found.append(path)
+            except OSError:
+                continue
+        visited += len(dirs)
+        if visited >= _ESCAPE_SCAN:
+            break
+    return sorted(found)
 
 
 @atexit.register
