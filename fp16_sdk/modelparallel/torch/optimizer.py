@@ -92,7 +92,9 @@ class DistributedOptimizer:
         SMPNotInitializedError: smp.init() has not run.
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
+                dynamic_loss_args=None, **flat_loss_args):
+        # fp32 / bf16: the torch.optim.Optimizer subclass (the class docstring says why)
         if cls is DistributedOptimizer and state.cfg is not None and not state.cfg.fp16:
             cls = _TorchDistributedOptimizer
         return super().__new__(cls)
