@@ -93,7 +93,6 @@ ATTRIBUTES = {
         ("optimizer", "the wrapped torch optimizer (its param_groups hold the fp32 masters in "
                       "fp16 mode; give it to LR schedulers)."),
     ],
-    "DistributedModel": [("module", "the wrapped module (the FP16_Module in fp16 mode).")],
 }
 
 
