@@ -6,7 +6,7 @@ STAMP := .make-install.stamp
 # (tests/helpers/hf_versions.py). Oldest: what AWS's smp v1 GPT scripts pin (4.21) does not
 # install on Python 3.11 (its tokenizers has no wheel), 4.28 does; newest: the last 4.x.
 HF_OLDEST := transformers==4.28.1 tokenizers==0.13.3
-HF_NEWEST := transformers==4.57.6 tokenizers==0.22.1 accelerate==1.12.0
+HF_NEWEST := transformers==4.57.6 tokenizers==0.22.1 accelerate==1.12.0 huggingface-hub==0.36.2
 
 .PHONY: install demo test test-fast image image-gpu bench clean
 
