@@ -1,14 +1,22 @@
 # fp16_sdk developer entry points. `make demo` and `make test` install first (once).
 PYTHON ?= python3
 STAMP := .make-install.stamp
+# The Hugging Face tests also run jobs on these transformers versions (setup.cfg pins the main
+# one): each goes into its own folder, outside site-packages, that a job puts on its PYTHONPATH
+# (tests/helpers/hf_versions.py). Oldest: what AWS's smp v1 GPT scripts pin (4.21) does not
+# install on Python 3.11 (its tokenizers has no wheel), 4.28 does; newest: the last 4.x.
+HF_OLDEST := transformers==4.28.1 tokenizers==0.13.3
+HF_NEWEST := transformers==4.57.6 tokenizers==0.22.1 accelerate==1.12.0 huggingface-hub==0.36.2
 
 .PHONY: install demo test test-fast image image-gpu bench clean
 
 install: $(STAMP)
 
-$(STAMP): setup.cfg setup.py constraints.txt
+$(STAMP): setup.cfg setup.py constraints.txt Makefile
 	$(PYTHON) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PYTHON) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PYTHON) -m pip install -q --no-deps --upgrade --target .hf-oldest $(HF_OLDEST)
+	$(PYTHON) -m pip install -q --no-deps --upgrade --target .hf-newest $(HF_NEWEST)
 	@touch $(STAMP)
 
 demo: install
@@ -30,4 +38,4 @@ image-gpu: install
 	BASE_IMAGE="$(BASE_IMAGE)" bash container/build_image.sh gpu
 
 clean:
-	rm -rf $(STAMP) build dist *.egg-info fp16_sdk_jobs .pytest_cache
+	rm -rf $(STAMP) .hf-oldest .hf-newest build dist *.egg-info fp16_sdk_jobs .pytest_cache

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the test extras pin transformers")
 
 from fp16_sdk.pytorch import PyTorch  # noqa: E402
+from helpers.hf_versions import hf_folder  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
 HP = {"max_steps": 12, "checkpoint_freq": 6, "seed": 12345, "train_batch_size": 4,
@@ -24,7 +25,8 @@ HP = {"max_steps": 12, "checkpoint_freq": 6, "seed": 12345, "train_batch_size": 
       "num_heads": 4, "fp16": 1, "activation_checkpointing": 1, "microbatches": 2}
 
 
-def _fit(tmp_path: Path, name: str, tp: int, pp: int, hosts: int, extra=None) -> list[dict]:
+def _fit(tmp_path: Path, name: str, tp: int, pp: int, hosts: int, extra=None,
+         environment=None) -> list[dict]:
     hp = dict(HP, tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
               **{"checkpoint-dir": str(tmp_path / "ckpt")}, **(extra or {}))
     params = {"tensor_parallel_degree": tp, "partitions": pp, "microbatches": 2, "ddp": True,
@@ -32,6 +34,7 @@ def _fit(tmp_path: Path, name: str, tp: int, pp: int, hosts: int, extra=None) ->
     est = PyTorch("gpt2_smp_style.py", source_dir=str(SCRIPTS), framework_version="2.13",
                   py_version="py311", instance_type="local_process", instance_count=hosts,
                   base_job_name=name, output_path=str(tmp_path / "jobs"), hyperparameters=hp,
+                  environment=environment,
                   distribution={"smdistributed": {"modelparallel": {"enabled": True,
                                                                     "parameters": params}},
                                 "mpi": {"enabled": True, "processes_per_host": 2}})
@@ -109,3 +112,14 @@ def test_gpt2_example_style_pp2_tp2_resumes_the_same_curve(tmp_path):
     for a, b in zip(sorted(whole, key=lambda r: r["rank"]), sorted(resumed, key=lambda r: r["rank"])):
         assert b["start_step"] == 6
         assert b["losses"] == a["losses"][6:], (a["losses"], b["losses"])
+
+
+@pytest.mark.slow
+def test_gpt2_example_style_script_on_the_oldest_tested_transformers(tmp_path):
+    """AWS's GPT scripts pin transformers 4.21; the job runs on the oldest that installs here
+    (.hf-oldest, 4.28), which lacks Mistral and Qwen2: wrapping stopped at their import."""
+    folder, version = hf_folder("oldest")
+    tp, pp, hosts = LAYOUTS["tp2"]
+    ranks, _ = _fit(tmp_path, "gpt2-old-hf", tp, pp, hosts, environment={"PYTHONPATH": str(folder)})
+    assert {r["transformers"] for r in ranks} == {version}
+    _check_run(ranks, tp, pp)

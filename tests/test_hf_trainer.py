@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the Hugging Face Trainer test needs transformers "
+transformers = pytest.importorskip("transformers", reason="the Hugging Face Trainer test needs transformers "
                     "(pip install -e '.[test]')")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
 from transformers import GPT2LMHeadModel  # noqa: E402
 
 from fp16_sdk.pytorch import PyTorch  # noqa: E402
+from helpers.hf_versions import hf_folder  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SMP = {"partitions": 2, "microbatches": 2, "ddp": True, "fp16": True}
@@ -37,17 +38,30 @@ SMP_TP2 = {"partitions": 1, "tensor_parallel_degree": 2, "microbatches": 2, "ddp
            "fp16": True}
 
 
-def _fit(out: Path, tag: str, smp: dict = SMP, **hps) -> dict:
+@pytest.fixture(params=["pinned", "newest"])
+def hf(request) -> dict:
+    """The job's transformers: setup.cfg's pin (this Python's), or the newest tested 4.x with
+    its accelerate from .hf-newest (tests/helpers/hf_versions.py), on the job's PYTHONPATH."""
+    if request.param == "pinned":
+        return {"env": {}, "transformers": transformers.__version__}
+    folder, version = hf_folder("newest")
+    return {"env": {"PYTHONPATH": str(folder)}, "transformers": version}
+
+
+def _fit(out: Path, tag: str, hf: dict, smp: dict = SMP, **hps) -> dict:
+    env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", **hf["env"]}
     est = PyTorch("hf_trainer_train.py", source_dir=str(SCRIPTS), framework_version="2.13",
                   py_version="py311", instance_type="local_process", instance_count=1,
                   output_path=str(out / "jobs"),
                   hyperparameters={"output_dir": str(out / "hf"), "tag": tag, **hps},
-                  environment={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"},
+                  environment=env,
                   distribution={"smdistributed": {"modelparallel": {"enabled": True,
                                                                     "parameters": smp}},
                                 "mpi": {"enabled": True, "processes_per_host": 2}})
     est.fit()
-    return json.loads((out / "hf" / f"results-{tag}.json").read_text())
+    results = json.loads((out / "hf" / f"results-{tag}.json").read_text())
+    assert results["versions"]["transformers"] == hf["transformers"], results["versions"]
+    return results
 
 
 def _pipeline_rows(results: dict, key: str) -> torch.Tensor:
@@ -71,8 +85,8 @@ def _eval_loss(model, rows: torch.Tensor, batch: int = 4) -> float:
 
 
 @pytest.mark.slow
-def test_trainer_train_evaluate_predict_save_resume_through_fit(tmp_path):
-    full = _fit(tmp_path, "full")
+def test_trainer_train_evaluate_predict_save_resume_through_fit(tmp_path, hf):
+    full = _fit(tmp_path, "full", hf)
     assert full["smp"] == {"pp": 2, "tp": 1, "dp": 1, "fp16": True}
     losses = [h["loss"] for h in full["log"]]
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
@@ -92,7 +106,7 @@ def test_trainer_train_evaluate_predict_save_resume_through_fit(tmp_path):
                             for b in test_rows.split(4)])
     np.testing.assert_allclose(logits.reshape(expect.shape), expect.numpy(), atol=1e-2)
 
-    resumed = _fit(tmp_path, "resumed", resume_from_checkpoint=str(
+    resumed = _fit(tmp_path, "resumed", hf, resume_from_checkpoint=str(
         tmp_path / "hf" / "checkpoint-6"), evaluate_first="")
     assert "eval_loss" in resumed["eval_before_train"]
     after = {h["step"]: h["loss"] for h in resumed["log"] if h["step"] > 6}
@@ -102,8 +116,8 @@ def test_trainer_train_evaluate_predict_save_resume_through_fit(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_at_tp2_trains_evaluates_predicts_saves_and_resumes_through_fit(tmp_path):
-    full = _fit(tmp_path, "tp2", smp=SMP_TP2)
+def test_trainer_at_tp2_trains_evaluates_predicts_saves_and_resumes_through_fit(tmp_path, hf):
+    full = _fit(tmp_path, "tp2", hf, smp=SMP_TP2)
     assert full["smp"] == {"pp": 1, "tp": 2, "dp": 2, "fp16": True}
     losses = [h["loss"] for h in full["log"]]
     assert len(losses) == 12 and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
@@ -123,7 +137,7 @@ def test_trainer_at_tp2_trains_evaluates_predicts_saves_and_resumes_through_fit(
     logits = np.load(tmp_path / "hf" / "predictions-tp2.npy")
     np.testing.assert_allclose(logits.reshape(expect.shape), expect.numpy(), atol=1e-2)
 
-    resumed = _fit(tmp_path, "tp2-resumed", smp=SMP_TP2, resume_from_checkpoint=str(
+    resumed = _fit(tmp_path, "tp2-resumed", hf, smp=SMP_TP2, resume_from_checkpoint=str(
         tmp_path / "hf" / "checkpoint-6"))
     after = {h["step"]: h["loss"] for h in resumed["log"] if h["step"] > 6}
     assert sorted(after) == list(range(7, 13))

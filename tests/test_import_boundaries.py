@@ -114,3 +114,40 @@ def test_no_test_module_imports_another():
     pairs = {(f.stem, imported) for f in sorted(tests.rglob("*.py"))
              for imported in _test_module_imports(f)}
     assert pairs == set(), sorted(pairs)
+
+
+_WRAP_PLAIN_MODEL = """
+import os, sys
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+import torch
+{before}
+import smdistributed.modelparallel.torch as smp
+smp.init({{"microbatches": 1, "ddp": True, "fp16": True}})
+model = smp.DistributedModel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+import json
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("transformers"))))
+"""
+
+
+@pytest.mark.parametrize("transformers_first", [False, True])
+def test_wrapping_a_plain_model_imports_no_hugging_face_model_code(transformers_first):
+    """A non-HF model never loads transformers, nor any architecture's modeling code when the
+    script had imported transformers (that import stopped every wrap on transformers < 4.37)."""
+    pytest.importorskip("transformers")
+    from helpers.ports import free_port
+    before = "import transformers" if transformers_first else ""
+    out = subprocess.run(
+        [sys.executable, "-c", _WRAP_PLAIN_MODEL.format(before=before), str(free_port())],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    if not transformers_first:
+        assert loaded == [], loaded
+    else:
+        assert "transformers" in loaded  # the probe works
+        modeling = [m for m in loaded if m.startswith("transformers.models.") and
+                    m.rsplit(".", 1)[-1].startswith("modeling_")]
+        assert modeling == [], modeling

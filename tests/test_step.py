@@ -113,6 +113,23 @@ def test_detach_outputs(microbatches):
     assert attached(torch.ones(1, 2)).outputs[0].requires_grad
 
 
+def test_step_output_detach_then_concat_as_transformers_predicts(microbatches):
+    """transformers >= 4.47's smp_nested_concat calls `.detach().concat()` on a StepOutput."""
+    microbatches(2)
+    w = torch.full((3,), 2.0, requires_grad=True)
+
+    @smp.step(detach_outputs=False)
+    def logits(x):
+        return x * w
+
+    x = torch.arange(12.).reshape(4, 3)
+    out = logits(x)
+    detached = out.detach()
+    assert isinstance(detached, smp.StepOutput) and detached is not out
+    assert all(o.requires_grad for o in out) and not any(o.requires_grad for o in detached)
+    assert torch.equal(detached.concat(), x * 2)
+
+
 def test_non_divisible_batch_names_sizes(microbatches):
     microbatches(3)
 

@@ -93,7 +93,6 @@ ATTRIBUTES = {
         ("optimizer", "the wrapped torch optimizer (its param_groups hold the fp32 masters in "
                       "fp16 mode; give it to LR schedulers)."),
     ],
-    "DistributedModel": [("module", "the wrapped module (the FP16_Module in fp16 mode).")],
 }
 
 
@@ -101,7 +100,8 @@ ATTRIBUTES = {
 HF_TRAINER = [
     "## Hugging Face Trainer", "",
     "transformers' `Trainer` runs its own smp path, unchanged (verified with transformers "
-    "4.46.3 and accelerate 1.1.1, the `test` extras): it turns smp on when "
+    "4.46.3 and accelerate 1.1.1, the `test` extras, and with 4.57.6 and accelerate 1.12.0, "
+    "which `make install` puts in `.hf-newest`): it turns smp on when "
     "`SM_HP_MP_PARAMETERS` holds `partitions` (the estimator keeps the user's key), "
     "`SM_FRAMEWORK_PARAMS` has `sagemaker_mpi_enabled` and `smdistributed` imports; "
     "`smdistributed.modelparallel.__version__` is the smp API release implemented (1.16.0), so "
@@ -113,7 +113,7 @@ HF_TRAINER = [
     "`predict()` before `train()`: the same module returns the same model), "
     "`smp.DistributedOptimizer` and `.clip_master_grads`, `@smp.step` bodies returning "
     "`ModelOutput`s (any picklable value crosses pipeline stages), `StepOutput.reduce_mean` / "
-    "`.concat`, `smp.allgather`, `smp.barrier`, `model.state_dict()`, "
+    "`.concat` (and `.detach()` first, from 4.47), `smp.allgather`, `smp.barrier`, `model.state_dict()`, "
     "`optimizer.local_state_dict(gather_if_shard=False)`, `smp.save(..., partial=True, v3=...)`"
     ", `smp.load(..., partial=True)`, `register_post_step_hook` (the resumed optimizer state, "
     "applied once after the first step), `smp.resume_from_checkpoint(..., partial=False)` and "
@@ -130,6 +130,16 @@ HF_TRAINER = [
     "- Resume needs `save_safetensors=False` (transformers' smp branch resumes from "
     "`pytorch_model.bin` by name); with torch >= 2.6 set `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1` "
     "(transformers 4.46.3 reads its own rng_state.pth with a bare `torch.load`).",
+    "- The optimizer: from 4.47 Trainer passes it to `accelerator.prepare`, which wraps any "
+    "`torch.optim.Optimizer`. Under fp16 `smp.DistributedOptimizer` is none (as smp v1's FP16 "
+    "optimizer), so accelerate leaves it as it is, and Trainer builds its LR scheduler on "
+    "`optimizer.optimizer`; without fp16 it is a `torch.optim.Optimizer`.",
+    "- transformers 5.x keeps the smp branch but breaks it: 5.0.0 trains, evaluates, predicts "
+    "and saves (pipeline 2, fp16), yet cannot resume (it always writes `model.safetensors`, "
+    "has no `save_safetensors`, and its smp branch resumes from `pytorch_model.bin` by name); "
+    "5.25.0 never creates the optimizer once smp has wrapped the model (its "
+    "`_prepare_for_training` delays creation under smp, then prepares `None`). Use 4.x "
+    "(<= 4.57) for Trainer's smp path.",
     "",
 ]
 

@@ -141,7 +141,7 @@ def main():
               "dp_rank": smp.dp_rank(), "pp": smp.pp_size(), "tp": smp.tp_size(),
               "start_step": start_step, "losses": losses, "scales": scales,
               "local_params": sum(p.numel() for p in model.local_parameters()),
-              "full_params": full_params}
+              "full_params": full_params, "transformers": transformers.__version__}
     every = [None] * smp.size()
     torch.distributed.all_gather_object(every, record)
     if smp.rank() == 0:

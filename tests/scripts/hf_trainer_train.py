@@ -23,8 +23,10 @@ import json
 import os
 from functools import cached_property
 
+import accelerate
 import numpy as np
 import torch
+import transformers
 from accelerate.state import AcceleratorState
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -89,7 +91,9 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(64, 1),
                       eval_dataset=eval_set)
     out = {"smp": {"pp": smp.pp_size(), "tp": smp.tp_size(), "dp": smp.dp_size(),
-                   "fp16": smp.state.cfg.fp16}}
+                   "fp16": smp.state.cfg.fp16},
+           "versions": {"transformers": transformers.__version__,
+                        "accelerate": accelerate.__version__}}
     if a.evaluate_first:  # wraps the model before train() does (Trainer's own _wrap_model)
         out["eval_before_train"] = trainer.evaluate()
     trainer.train(resume_from_checkpoint=a.resume_from_checkpoint)

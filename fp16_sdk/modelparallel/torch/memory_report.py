@@ -83,7 +83,7 @@ def health_figures(opt) -> str:
     model = state.model
     if model is not None and model.shards_parameters:
         from .sharded_data_parallel import parameter_bytes
-        here, full = parameter_bytes(model.module)
+        here, full = parameter_bytes(model.get_module())
         parts.append(f"parameters {_mib(here)}/rank at rest of {_mib(full)}")
     if state.cfg.offload_activations:
         s = activation_offload.stats

@@ -41,6 +41,7 @@ from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
 from .fp16.module import BF16Module, FP16Module
 from .nn.auto import distribute_tensor_parallel
 from .model_state import StateDicts
+from .module_levels import ModuleLevel, build_levels
 from .model_views import LocalViews
 from .reducer import GradReducer, ReductionGroup
 from .state import state
@@ -147,11 +148,11 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._grads_checked = False
         state.model = self
         if not self.pipelined:
-            self.module.to(state.device)
+            self.get_module().to(state.device)
             self.on_partitioned()
 
     def _wraps(self, module: nn.Module) -> bool:
-        return module is self.module or module is self._wrapped_input()
+        return module is self.get_module() or module is self._wrapped_input()
 
     def _check_rewrap(self, given: dict) -> None:
         changed = {k: (self._wrap_args[k], v) for k, v in given.items()
@@ -173,6 +174,19 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
     def pipeline(self) -> PipelineEngine | None:
         """The PipelineEngine (pp > 1, built at the first step), else None."""
         return self._pipeline
+
+    @property
+    def module(self) -> ModuleLevel:
+        """smp v1's nesting (module_levels.py): with fp16/bf16 the FP16_Module level, whose
+        `.module.module` is the wrapped module; else the level whose `.module` is. Any other
+        attribute of a level is the wrapped module's. `get_module()` gives the module itself."""
+        wrapped = self._modules["module"]
+        levels = self.__dict__.get("_smp_levels")
+        if levels is None or levels[0] is not wrapped:
+            forward = self._forward_module
+            levels = (wrapped, build_levels(wrapped, forward, half=forward is not wrapped))
+            self.__dict__["_smp_levels"] = levels
+        return levels[1]
 
     @property
     def forward_module(self) -> nn.Module:
@@ -203,10 +217,10 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         also run the post-partition hooks. Called once, by the runtime, never by scripts."""
         self._broadcast_state(params=True)
         if sharded_data_parallel.enabled() and self._sdp is None:  # after the broadcast
-            self._sdp = sharded_data_parallel.shard_model(self.module)
+            self._sdp = sharded_data_parallel.shard_model(self.get_module())
             if state.rank == 0:
                 logging.getLogger("smp").info(sharded_data_parallel.wrap_line(self._sdp,
-                                                                              self.module))
+                                                                              self.get_module()))
         self._reducer = self._build_reducer()
         self.partitioned = True
         optimizer = state.optimizer
@@ -418,7 +432,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         if state.topology.mp > 1:
             raise SMPUnsupportedError("DistributedModel.cpu() with model parallelism: use "
                                       "model.state_dict() to get the full model on the CPU")
-        self.module.cpu()
+        self.get_module().cpu()
         return self
 
     @contextlib.contextmanager

@@ -159,7 +159,7 @@ class StateDicts:
     def local_state_dict(self) -> dict:
         """This rank's entries plus `_smp_is_partial: True` (with sharded data parallelism
         whole tensors, gathered: collective over the sharding group)."""
-        sd = local_state_dict(self.module)
+        sd = local_state_dict(self.get_module())
         if self._sdp is not None:  # shards gathered: a partition file holds whole tensors
             sd = sharded_data_parallel.full_state_dict_values(sd)
         return sd
@@ -167,9 +167,9 @@ class StateDicts:
     def state_dict(self, *args, **kwargs) -> dict:
         """The full model's state dict, keys as the plain module's (collective over MP)."""
         if self._sdp is not None:  # collective over the sharding group too
-            sd = sharded_data_parallel.full_state_dict_values(self.module.state_dict())
-            return full_state_dict_from(self.module, sd)
-        return full_state_dict(self.module)
+            sd = sharded_data_parallel.full_state_dict_values(self.get_module().state_dict())
+            return full_state_dict_from(self.get_module(), sd)
+        return full_state_dict(self.get_module())
 
     def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False,
                         **kwargs):
@@ -186,13 +186,13 @@ class StateDicts:
 
     def _load(self, sd, *, strict: bool, same_partition_load: bool):
         entries, expected = prepare_state_dict_for_load(
-            self.module, sd, same_partition_load=same_partition_load)
+            self.get_module(), sd, same_partition_load=same_partition_load)
         if self._sdp is not None:  # full tensors cut to this rank's chunks
-            entries = sharded_data_parallel.shard_state_dict_values(self.module, entries)
+            entries = sharded_data_parallel.shard_state_dict_values(self.get_module(), entries)
         if state.topology.pp == 1:
-            return self.module.load_state_dict(entries, strict=strict)
+            return self.get_module().load_state_dict(entries, strict=strict)
         local = {k: v for k, v in entries.items() if k in expected}
-        result = self.module.load_state_dict(local, strict=False)
+        result = self.get_module().load_state_dict(local, strict=False)
         missing = sorted(expected - set(local))
         if strict and missing:
             raise SMPError(f"load_state_dict(strict=True): missing local keys {missing[:10]}"

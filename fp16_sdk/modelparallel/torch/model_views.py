@@ -2,8 +2,8 @@
 views, pipeline stage and tied weights taken into account, model_state.py) and the
 tensor-parallel queries (which parameters are shards, which reduce over which group).
 
-A base class of DistributedModel (smp v1's surface on one object); it reads only
-`self.module`.
+A base class of DistributedModel (smp v1's surface on one object); it reads only the wrapped
+module (`get_module()`).
 """
 
 from __future__ import annotations
@@ -19,35 +19,35 @@ __all__ = ["LocalViews"]
 class LocalViews:
     """The read-only views of DistributedModel (see the module docstring)."""
 
-    module: nn.Module
+    _modules: dict
 
     def local_named_parameters(self):
-        return model_state.local_named_tensors(self.module, "parameters")
+        return model_state.local_named_tensors(self.get_module(), "parameters")
 
     def local_parameters(self):
         return (p for _, p in self.local_named_parameters())
 
     def local_named_buffers(self):
-        return model_state.local_named_tensors(self.module, "buffers")
+        return model_state.local_named_tensors(self.get_module(), "buffers")
 
     def local_buffers(self):
         return (b for _, b in self.local_named_buffers())
 
     def local_named_modules(self):
-        return model_state.local_named_modules(self.module)
+        return model_state.local_named_modules(self.get_module())
 
     def local_modules(self):
         return (m for _, m in self.local_named_modules())
 
     def get_module(self) -> nn.Module:
         """The wrapped module (after TP replacement), without the FP16 wrapper."""
-        return self.module
+        return self._modules["module"]
 
     # ---- tensor-parallel queries ------------------------------------------------------------
     def distributed_modules(self):
         """The outermost tensor-parallel modules of the model."""
         from .nn.auto import distributed_modules
-        return iter(distributed_modules(self.module))
+        return iter(distributed_modules(self.get_module()))
 
     def is_distributed_parameter(self, param) -> bool:
         """A tensor-parallel shard (`_smp_distributed`)."""

@@ -61,13 +61,17 @@ class _StepProgress:
     overflow: bool = False           # the last agreed found-inf
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer:
     """Wrap a torch optimizer for the smp runtime.
 
-    It is a `torch.optim.Optimizer` sharing `param_groups` and `state` with the inner
-    optimizer, so LR schedulers accept it in every mode. With `fp16` (or `bf16`) in the smp
-    config, the inner optimizer's param groups are rewritten to hold fp32 masters of the
-    half parameters; fp32 parameters are stepped as they are. With pp > 1 the model is
+    It shares `param_groups` and `state` with the inner optimizer. Without `fp16` it is a
+    `torch.optim.Optimizer` (a subclass is returned), so torch LR schedulers accept it; with
+    `fp16` it is not, as smp v1's FP16 optimizer is not: accelerate (Hugging Face Trainer >=
+    4.47 passes the optimizer to `accelerator.prepare`) then leaves it as it is, and a torch LR
+    scheduler is built on `optimizer.optimizer`, the inner one (what Trainer's smp path does
+    under fp16; AWS's scripts' own AnnealingLR only sets `param_groups`). With `fp16` (or
+    `bf16`) in the smp config, the inner optimizer's param groups are rewritten to hold fp32
+    masters of the half parameters; fp32 parameters are stepped as they are. With pp > 1 the model is
     partitioned at the first `smp.step`, and the masters are built then, from this stage's
     parameters (`param_groups` work for LR schedulers before that; a `load_state_dict` made
     before the first step is applied then).
@@ -88,6 +92,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         SMPNotInitializedError: smp.init() has not run.
     """
 
+    def __new__(cls, optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
+                dynamic_loss_args=None, **flat_loss_args):
+        # fp32 / bf16: the torch.optim.Optimizer subclass (the class docstring says why)
+        if cls is DistributedOptimizer and state.cfg is not None and not state.cfg.fp16:
+            cls = _TorchDistributedOptimizer
+        return super().__new__(cls)
+
     def __init__(self, optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
                  dynamic_loss_args=None, **flat_loss_args):
         state.require_init("smp.DistributedOptimizer")
@@ -103,8 +114,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   args={**(dynamic_loss_args or {}), **flat_loss_args})
         self._mode: PrecisionMode = Unpartitioned(optimizer)
         self._pending_load: dict | None = None
-        # The base init only sets up hook dicts here; the groups are then shared, not copied.
-        super().__init__(optimizer.param_groups, optimizer.defaults)
+        if isinstance(self, torch.optim.Optimizer):
+            # The base init only sets up hook dicts here; the groups are then shared.
+            torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self._share_inner()
         # The counters scripts read and checkpoints keep.
         self.overflow, self.skipped_steps, self.steps = False, 0, 0
@@ -195,7 +207,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to the inner optimizer (with masters for its half parameters)."""
         if not hasattr(self, "optimizer") or self.optimizer.param_groups is not self.param_groups:
-            super().add_param_group(param_group)  # called by the base __init__: already inner's
+            # called by torch.optim.Optimizer.__init__: the group is already the inner one's
+            torch.optim.Optimizer.add_param_group(self, param_group)
             return
         if not self._mode.add_group(param_group):  # the fused kernels cannot step the group
             self._leave_fused_step()
@@ -400,6 +413,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         mode = "fp16" if self.fp16 else "bf16" if self.bf16 else "fp32"
         return (f"DistributedOptimizer({mode}, {self._mode.name}, {self.scaler!r}, "
                 f"inner={type(self.optimizer).__name__})")
+
+
+class _TorchDistributedOptimizer(DistributedOptimizer, torch.optim.Optimizer):
+    """The DistributedOptimizer without fp16 (fp32, bf16): also a torch.optim.Optimizer."""
 
 
 def _partitioned() -> bool:

@@ -56,6 +56,13 @@ class StepOutput:
         """Stack into a new leading (microbatch) dimension."""
         return torch.stack(self.outputs, dim=dim)
 
+    def detach(self) -> "StepOutput":
+        """A new StepOutput of the microbatches' tensors detached from the graph, as
+        `Tensor.detach` (transformers >= 4.47 calls it before `concat()` in evaluate/predict;
+        smp v1's StepOutput has no `detach`)."""
+        return StepOutput([o.detach() if isinstance(o, torch.Tensor) else o
+                           for o in self.outputs])
+
     def process_outputs(self, func: Callable) -> Any:
         """`func(outputs)`: any reduction of the per-microbatch list."""
         return func(self.outputs)

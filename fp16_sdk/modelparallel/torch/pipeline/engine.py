@@ -111,7 +111,7 @@ class PipelineEngine:
         self.model = model
         self.settings = s = settings or PipelineSettings.from_state()
         self.stage, self.last = s.stage, s.num_stages - 1
-        self.module: nn.Module = model.module
+        self.module: nn.Module = model.get_module()
         self.module.to(s.device)
         self.channel = TensorChannel(s.group, s.device, s.failure)
         if s.auto_partition:

@@ -15,6 +15,11 @@ model's up to summation order (the row-parallel all-reduce). Refused with a clea
 head_mask, output_attentions=True, BERT relative position embeddings, Llama pretraining_tp > 1,
 any Linear inside a block this code does not know.
 
+Versions: an architecture the installed transformers lacks (Mistral before 4.34, Qwen2 before
+4.37, Llama before 4.28) is simply not offered (`_shard.installed_blocks`), and nothing here is
+imported for a model that is not a Hugging Face one (AWS's GPT scripts pin 4.21; tested on 4.28,
+4.46 and 4.57).
+
 Batch (prescaled_batch False, smp's default): each TP rank brings its own rows; a split block
 gathers the TP group's rows at its entry and hands each rank its own rows back at its exit
 (one all-gather forward and one backward per block beyond Megatron's two all-reduces). Its

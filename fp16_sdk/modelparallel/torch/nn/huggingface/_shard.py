@@ -8,6 +8,8 @@ divides the attention module's head counts by tp. Everything else is here.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -26,11 +28,29 @@ from ..mappings import (TPContext, copy_to_tensor_parallel_region,
                         scatter_batch_to_tensor_parallel_group)
 
 __all__ = ["Split", "Arch", "ShardedLinear", "shard_block", "shard_state_dict",
-           "gather_state_dict", "check_divisible"]
+           "gather_state_dict", "check_divisible", "installed_blocks"]
 
 _PARTIAL = "_smp_is_partial"
 # Block arguments that are not batch-first even when their dim 0 happens to equal the batch.
 _NOT_BATCH = frozenset({"cache_position", "use_cache", "output_attentions"})
+
+
+def installed_blocks(*blocks: tuple[str, str]) -> tuple[type, ...]:
+    """The block classes the installed transformers has, of (model package, class name) pairs.
+
+    An architecture newer than the installed version (Mistral before 4.34, Qwen2 before 4.37,
+    Llama before 4.28) is left out: its blocks are simply not offered. Any other import error
+    (a broken install) is raised.
+    """
+    found = []
+    for package, name in blocks:
+        if importlib.util.find_spec(f"transformers.models.{package}") is None:
+            continue
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+        cls = getattr(module, name, None)
+        if cls is not None:
+            found.append(cls)
+    return tuple(found)
 
 
 @dataclass(frozen=True)

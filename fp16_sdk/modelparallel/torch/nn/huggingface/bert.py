@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from transformers.models.bert.modeling_bert import BertLayer
-from transformers.models.roberta.modeling_roberta import RobertaLayer
-
 from ...errors import SMPUnsupportedError
-from ._shard import Arch, Split, check_divisible, to_hf, to_smdistributed
+from ._shard import Arch, Split, check_divisible, installed_blocks, to_hf, to_smdistributed
 
 __all__ = ["ARCH", "translate_hf_state_dict_to_smdistributed_bert",
            "translate_state_dict_to_hf_bert", "translate_hf_state_dict_to_smdistributed_roberta",
@@ -42,7 +39,8 @@ def _splits(prefix: str) -> tuple[Split, ...]:
 
 
 ARCH = Arch(
-    name="bert", blocks=(BertLayer, RobertaLayer), block_prefix="layer", conv1d=False,
+    name="bert", blocks=installed_blocks(("bert", "BertLayer"), ("roberta", "RobertaLayer")),
+    block_prefix="layer", conv1d=False,
     fix_heads=_fix_heads, causal=lambda block: bool(block.is_decoder),
     splits=_splits("attention") + _splits("crossattention") + (
         Split("intermediate.dense", "column"), Split("output.dense", "row")))

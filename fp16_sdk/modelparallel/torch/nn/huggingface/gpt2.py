@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-from ._shard import Arch, Split, check_divisible, to_hf, to_smdistributed
+from ._shard import Arch, Split, check_divisible, installed_blocks, to_hf, to_smdistributed
 
 __all__ = ["ARCH", "translate_hf_state_dict_to_smdistributed_gpt2",
            "translate_state_dict_to_hf_gpt2"]
@@ -29,7 +27,8 @@ def _fix_heads(block, tp: int) -> None:
 
 
 ARCH = Arch(
-    name="gpt2", blocks=(GPT2Block,), block_prefix="h", conv1d=True, fix_heads=_fix_heads,
+    name="gpt2", blocks=installed_blocks(("gpt2", "GPT2Block")), block_prefix="h", conv1d=True,
+    fix_heads=_fix_heads,
     splits=(Split("attn.c_attn", "column", 3), Split("attn.c_proj", "row"),
             Split("crossattention.q_attn", "column"), Split("crossattention.c_attn", "column", 2),
             Split("crossattention.c_proj", "row"),

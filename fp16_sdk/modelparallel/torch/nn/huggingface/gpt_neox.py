@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer
-
-from ._shard import Arch, Split, check_divisible, to_hf, to_smdistributed
+from ._shard import Arch, Split, check_divisible, installed_blocks, to_hf, to_smdistributed
 
 __all__ = ["ARCH", "translate_hf_state_dict_to_smdistributed_gpt_neox",
            "translate_state_dict_to_hf_gpt_neox"]
@@ -25,7 +23,8 @@ def _fix_heads(block, tp: int) -> None:
 
 
 ARCH = Arch(
-    name="gpt_neox", blocks=(GPTNeoXLayer,), block_prefix="layers", conv1d=False,
+    name="gpt_neox", blocks=installed_blocks(("gpt_neox", "GPTNeoXLayer")), block_prefix="layers",
+    conv1d=False,
     fix_heads=_fix_heads,
     splits=(Split("attention.query_key_value", "column"), Split("attention.dense", "row"),
             Split("mlp.dense_h_to_4h", "column"), Split("mlp.dense_4h_to_h", "row")))

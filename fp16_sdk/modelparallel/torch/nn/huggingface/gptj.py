@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from transformers.models.gptj.modeling_gptj import GPTJBlock
-
-from ._shard import Arch, Split, check_divisible, to_hf, to_smdistributed
+from ._shard import Arch, Split, check_divisible, installed_blocks, to_hf, to_smdistributed
 
 __all__ = ["ARCH", "translate_hf_state_dict_to_smdistributed_gptj",
            "translate_hf_gptj_state_dict_to_smdistributed", "translate_state_dict_to_hf_gptj"]
@@ -24,7 +22,8 @@ def _fix_heads(block, tp: int) -> None:
 
 
 ARCH = Arch(
-    name="gptj", blocks=(GPTJBlock,), block_prefix="h", conv1d=False, fix_heads=_fix_heads,
+    name="gptj", blocks=installed_blocks(("gptj", "GPTJBlock")), block_prefix="h", conv1d=False,
+    fix_heads=_fix_heads,
     splits=(Split("attn.q_proj", "column"), Split("attn.k_proj", "column"),
             Split("attn.v_proj", "column"), Split("attn.out_proj", "row"),
             Split("mlp.fc_in", "column"), Split("mlp.fc_out", "row")))

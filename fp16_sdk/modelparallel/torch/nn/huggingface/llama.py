@@ -10,12 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
-
 from ...errors import SMPConfigError
-from ._shard import Arch, Split, check_divisible, to_hf, to_smdistributed
+from ._shard import Arch, Split, check_divisible, installed_blocks, to_hf, to_smdistributed
 
 __all__ = ["ARCH", "translate_hf_state_dict_to_smdistributed_llama",
            "translate_state_dict_to_hf_llama"]
@@ -37,7 +33,9 @@ def _fix_heads(block, tp: int) -> None:
 
 
 ARCH = Arch(
-    name="llama", blocks=(LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer),
+    name="llama", blocks=installed_blocks(("llama", "LlamaDecoderLayer"),
+                                       ("mistral", "MistralDecoderLayer"),
+                                       ("qwen2", "Qwen2DecoderLayer")),
     block_prefix="layers", conv1d=False, fix_heads=_fix_heads,
     splits=(Split("self_attn.q_proj", "column"), Split("self_attn.k_proj", "column"),
             Split("self_attn.v_proj", "column"), Split("self_attn.o_proj", "row"),

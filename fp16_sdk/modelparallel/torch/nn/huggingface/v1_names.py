@@ -44,11 +44,14 @@ def _alias(owner: nn.Module, name: str, target: nn.Module) -> None:
 
 def add_v1_names(root: nn.Module) -> int:
     """Add smp v1's names to every supported HF model under root; return how many got them."""
+    models = [m for m in root.modules() if _is_pretrained(m)]
+    if not models:  # not a Hugging Face model: import none of transformers' model code
+        return 0
     from . import supported_blocks
 
     block_types = tuple(supported_blocks())
     done = 0
-    for model in [m for m in root.modules() if _is_pretrained(m)]:
+    for model in models:
         body = model if _block_list(model, block_types) is not None else _first(model, _BODY)
         blocks = _block_list(body, block_types) if body is not None else None
         if blocks is None:
