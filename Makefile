@@ -4,8 +4,8 @@ STAMP := .make-install.stamp
 # The Hugging Face tests also run jobs on these transformers versions (setup.cfg pins the main
 # one): each goes into its own folder, outside site-packages, that a job puts on its PYTHONPATH
 # (tests/helpers/hf_versions.py). Oldest: what AWS's smp v1 GPT scripts pin (4.21) does not
-# install on Python 3.11 (its tokenizers has no wheel), 4.28 does; newest: the last 4.x.
-HF_OLDEST := transformers==4.28.1 tokenizers==0.13.3
+# install on Python 3.11 (its tokenizers has no wheel), nor does 4.22; 4.23 does; newest: the last 4.x.
+HF_OLDEST := transformers==4.23.1 tokenizers==0.13.3
 HF_NEWEST := transformers==4.57.6 tokenizers==0.22.1 accelerate==1.12.0 huggingface-hub==0.36.2
 
 .PHONY: install demo test test-fast image image-gpu bench clean

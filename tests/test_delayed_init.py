@@ -180,6 +180,45 @@ def test_hf_gpt2_values_equal_eager_creation(init):
         assert torch.equal(value, want[name]), name
 
 
+_GPT2_ON_ANOTHER_TRANSFORMERS = """
+import json, sys
+import torch, transformers
+import fp16_sdk.modelparallel.torch as smp
+smp.init({"ddp_dist_backend": "gloo"})
+cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+torch.manual_seed(0)
+eager = transformers.GPT2LMHeadModel(cfg)
+torch.manual_seed(0)
+with smp.model_creation(delayed_param_initialization=True):
+    module = transformers.GPT2LMHeadModel(cfg)
+smp.DistributedModel(module)
+want = eager.state_dict()
+print(json.dumps({"version": transformers.__version__,
+                  "tied": module.lm_head.weight is module.transformer.wte.weight,
+                  "differ": [k for k, v in module.state_dict().items() if not torch.equal(v, want[k])]}))
+"""
+
+
+@pytest.mark.slow
+def test_hf_gpt2_values_equal_eager_creation_on_the_oldest_tested_transformers(tmp_path):
+    """transformers 4.23 (the nearest to AWS's 4.21 pin that installs here) has no
+    `_initialize_weights` and re-initialises a nested model's modules in the outer post_init:
+    delayed creation must still leave eager creation's values (it stopped with a KeyError)."""
+    import json
+    import subprocess
+    import sys
+    from helpers.hf_versions import hf_folder
+    folder, version = hf_folder("oldest")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), *sys.path])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", _GPT2_ON_ANOTHER_TRANSFORMERS], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"version": version, "tied": True, "differ": []}
+
+
 def test_wrapping_inside_the_creation_context_materialises_every_parameter(init):
     """smp.DistributedModel(...) inside smp.model_creation(delayed_param_initialization=True)
     (AWS's scripts do so): no meta parameter is left, values equal eager creation's, and a

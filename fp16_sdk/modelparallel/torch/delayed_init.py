@@ -183,13 +183,15 @@ def _hf_initialize_wrapper(original):
 def _hf_init_weights_wrapper(original):
     """Older transformers (4.23) have no `_initialize_weights`: their `init_weights` runs
     `self.apply(self._init_weights)`. For that call an instance attribute stands in for the
-    bound `_init_weights` and records where each module's init starts."""
+    bound `_init_weights` and records where each module's init starts. Those versions have no
+    `_is_hf_initialized` either: a nested model's modules (GPT2LMHeadModel's GPT2Model) are
+    initialised again by the outer post_init, and the last init is what eager creation leaves,
+    so the last record wins (the newer path keeps the first, as transformers then does)."""
     def init_weights(self):
         inner = self._init_weights
 
         def recording(module):
-            if "_smp_hf_init" not in module.__dict__:
-                module.__dict__["_smp_hf_init"] = (torch.get_rng_state(), inner)
+            module.__dict__["_smp_hf_init"] = (torch.get_rng_state(), inner)
             return inner(module)
         self.__dict__["_init_weights"] = recording
         try:
