@@ -31,7 +31,7 @@ __all__ = [
     "INPUT_DATA_CONFIG_FILE", "CONFIG_FILES", "DEFAULT_GROUP", "DEFAULT_MASTER_PORT",
     "SOURCEDIR_NAME", "FAILURE_REASON_LIMIT", "SAGEMAKER_KEYS", "DISTRIBUTION_FLAGS",
     "JOB_NAME_VAR", "HOST_ADDRESSES_VAR", "MASTER_PORT_VAR", "LIFELINE_FD_VAR",
-    "STOP_GRACE_VAR", "LIFELINE_PATH_VAR", "MAX_RUN_VAR", "FAILURE_EXIT_CODE", "FAILURE_AT",
+    "STOP_GRACE_VAR", "PEER_FAILURE", "LIFELINE_PATH_VAR", "MAX_RUN_VAR", "FAILURE_EXIT_CODE", "FAILURE_AT",
     "FAILURE_SIGNAL", "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "SIGNAL_AFTER_ERROR",
     "FailureHeader", "failure_header", "parse_failure_header", "Layout", "ChannelLike",
     "resource_config", "input_data_config",
@@ -195,6 +195,13 @@ def sm_variable(field: str) -> str:
     """The variable of one training-environment field: `hosts` -> `SM_HOSTS`."""
     return f"SM_{field.upper()}"
 
+
+# An error message that only says another rank failed (`backends.failures`: never the origin
+# of a multi-host failure while another host has an error of its own): smp's PipelineAborted
+# (its message is the failed stage's error), a Gloo socket whose peer process exited, an NCCL
+# communicator aborted after a peer's failure.
+PEER_FAILURE = re.compile(r"\bPipelineAborted\b|Connection (closed|reset) by peer|"
+                          r"NCCL communicator was aborted")
 
 # ---- output/failure: the header a backend reads -------------------------------------------
 #

@@ -39,6 +39,27 @@ def test_a_host_stopped_after_its_own_error_is_not_a_victim():
     assert origin_failure([_failure("algo-1", at=10.2), origin]) is origin
 
 
+def _raised(host: str, at: float, error: str) -> HostFailure:
+    text = "\n".join(contract.failure_header(exit_code=1, failed_at=at))
+    return HostFailure.from_text(host, f"{text}\nCommand: x\nErrorMessage: {error}\n")
+
+
+def test_an_error_that_only_reports_a_peer_is_no_origin():
+    """smp pp=2 over 2 hosts: stage 1 on algo-2 raises and publishes its error; stage 0 on
+    algo-1 raises PipelineAborted with that message, and its traceback can reach its toolkit
+    first. The error began on algo-2; with only peer reports, the earliest of them."""
+    cause = _raised("algo-2", 10.3, "ValueError: boom in stage 1 at step 3")
+    report = _raised("algo-1", 10.1, "fp16_sdk.modelparallel.torch.pipeline.failure."
+                                     "PipelineAborted: stage 1 failed: ValueError: boom")
+    gloo = _raised("algo-3", 10.0, "RuntimeError: [../third_party/gloo/gloo/transport/tcp/"
+                                   "pair.cc:534] Connection closed by peer [10.0.0.3]:4242")
+    assert report.reports_a_peer and gloo.reports_a_peer and not cause.reports_a_peer
+    assert origin_failure([report, gloo, cause]) is cause
+    assert origin_failure([report, gloo]) is gloo
+    killed = _failure("algo-4", at=9.0, sig=9, ours=True, code=137)
+    assert origin_failure([killed, report]) is report
+
+
 def test_origin_is_the_earliest_kill_when_every_host_was_killed():
     late = _failure("algo-1", at=20.0, sig=15, ours=True)
     early = _failure("algo-2", at=12.0, sig=9, ours=False, code=137)

@@ -64,6 +64,23 @@ class HostFailure:
         """A signal ended a command that had shown no error of its own: a victim, not a cause."""
         return self.by_signal is not None and not self.signal_after_error
 
+    @property
+    def error_message(self) -> str | None:
+        """The failure file's `ErrorMessage:` line (the script's last exception), if any."""
+        for line in self.reason.splitlines():
+            if line.startswith("ErrorMessage: "):
+                return line[len("ErrorMessage: "):]
+        return None
+
+    @property
+    def reports_a_peer(self) -> bool:
+        """The host's error only reports that another rank failed (`contract.PEER_FAILURE`):
+        smp's PipelineAborted carries the failed stage's message, and a Gloo receive fails
+        when its peer's process exits. Such an error can print before the cause's own
+        traceback (the failed stage publishes its error, then unwinds), so it is no origin."""
+        message = self.error_message
+        return message is not None and contract.PEER_FAILURE.search(message) is not None
+
     @classmethod
     def from_text(cls, host: str, text: str, *, exit_code: int | None = None,
                   failed_at: float | None = None) -> "HostFailure":
@@ -139,12 +156,14 @@ def read_host_failure(host: str, path: Path, *, root: Path | None = None) -> Hos
 def origin_failure(failures: Iterable[HostFailure | None]) -> HostFailure | None:
     """The failure where the job's error began; None when there is none.
 
-    The earliest failure that is not a kill by a signal; when every failure is one, the
-    earliest of all. A failure without a time comes after those with one; ties keep the
-    order given (host order).
+    The earliest failure that is neither a kill by a signal nor an error that only reports a
+    peer's failure (`HostFailure.reports_a_peer`); else the earliest that no signal ended;
+    else the earliest of all. A failure without a time comes after those with one; ties keep
+    the order given (host order).
     """
     found = [f for f in failures if f is not None]
-    candidates = [f for f in found if not f.killed] or found
+    unkilled = [f for f in found if not f.killed]
+    candidates = [f for f in unkilled if not f.reports_a_peer] or unkilled or found
     if not candidates:
         return None
     order = {id(f): i for i, f in enumerate(candidates)}
