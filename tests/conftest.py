@@ -14,12 +14,13 @@ from scratch loses the marker). A process that merely has the checkout as its wo
 exit when this process does (they watch a pipe from it). Containers and networks: the ones
 labelled `fp16_sdk.job`, and those of the test Slurm cluster this session addresses (labelled
 `fp16_sdk.slurm=<FP16_SDK_SLURM_NAME>`, see .ci/slurm-cluster.sh), that were not there at the
-start and that this session made (`_made_here`: a job of this process, or one whose containers
-mount the session's temporary folder). Other sessions on the same engine (parallel developers)
-start jobs all the time: removing theirs would SIGKILL a running job of another session (exit
-137, "killed with SIGKILL"). Without a reachable engine that part is skipped, the Docker tests
-say why. The slurm_cluster fixture removes a cluster it started
-before this check runs, so one found here means that teardown did not happen.
+start and that this session made (`_made_here`: a job of this process, one whose containers
+mount the session's temporary folder, the Slurm cluster if this session's fixture started it).
+Other sessions on the same engine (parallel developers) start jobs and clusters all the time:
+removing theirs would SIGKILL another session's running job (exit 137, "killed with SIGKILL").
+Without a reachable engine that part is skipped, the Docker tests say why. The slurm_cluster
+fixture removes a cluster it started before this check runs, so one found here means that
+teardown did not happen.
 """
 
 from __future__ import annotations
@@ -101,13 +102,15 @@ def _docker_resources(client) -> dict[str, tuple[str, object]]:
 
 
 def _made_here(resources: list[tuple[str, object]], tmp: Path) -> list[tuple[str, object]]:
-    """The resources this session made: its Slurm cluster's; a job's whose SDK process
+    """The resources this session made: the Slurm cluster's if its fixture started it
+    (`helpers.slurm_cluster.started_here`); a job's whose SDK process
     (label `fp16_sdk.sdk`) is this one; a container mounting a folder under the session's
     temporary folder `tmp` (a fit() in a child process, a test's own container); a job's network
     whose job has such a container or a folder under `tmp` (output_path/<job>)."""
     from fp16_sdk.backends.local_docker_reaper import LABEL_SDK, sdk_label
 
     me, root = sdk_label().get(LABEL_SDK), str(tmp)
+    slurm = getattr(sys.modules.get("helpers.slurm_cluster"), "started_here", False)
 
     def labels(res) -> dict:
         return res.attrs.get("Labels") or res.attrs.get("Config", {}).get("Labels") or {}
@@ -115,7 +118,7 @@ def _made_here(resources: list[tuple[str, object]], tmp: Path) -> list[tuple[str
     def mine(kind: str, res) -> bool:
         found = labels(res)
         key, name = _SLURM_LABEL.split("=", 1)
-        if found.get(key) == name or (me and found.get(LABEL_SDK) == me):
+        if (found.get(key) == name and slurm) or (me and found.get(LABEL_SDK) == me):
             return True
         return kind == "container" and any(
             _under(m.get("Source") or "", (root,)) for m in res.attrs.get("Mounts") or [])
