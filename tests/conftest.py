@@ -14,9 +14,13 @@ from scratch loses the marker). A process that merely has the checkout as its wo
 exit when this process does (they watch a pipe from it). Containers and networks: the ones
 labelled `fp16_sdk.job`, and those of the test Slurm cluster this session addresses (labelled
 `fp16_sdk.slurm=<FP16_SDK_SLURM_NAME>`, see .ci/slurm-cluster.sh), that were not there at the
-start (one test session per Docker engine, as in CI; without a reachable engine that part is
-skipped, the Docker tests say why). The slurm_cluster fixture removes a cluster it started
-before this check runs, so one found here means that teardown did not happen.
+start and that this session made (`_made_here`: a job of this process, one whose containers
+mount the session's temporary folder, the Slurm cluster if this session's fixture started it).
+Other sessions on the same engine (parallel developers) start jobs and clusters all the time:
+removing theirs would SIGKILL another session's running job (exit 137, "killed with SIGKILL").
+Without a reachable engine that part is skipped, the Docker tests say why. The slurm_cluster
+fixture removes a cluster it started before this check runs, so one found here means that
+teardown did not happen.
 """
 
 from __future__ import annotations
@@ -97,6 +101,37 @@ def _docker_resources(client) -> dict[str, tuple[str, object]]:
     return found
 
 
+def _made_here(resources: list[tuple[str, object]], tmp: Path) -> list[tuple[str, object]]:
+    """The resources this session made: the Slurm cluster's if its fixture started it
+    (`helpers.slurm_cluster.started_here`); a job's whose SDK process
+    (label `fp16_sdk.sdk`) is this one; a container mounting a folder under the session's
+    temporary folder `tmp` (a fit() in a child process, a test's own container); a job's network
+    whose job has such a container or a folder under `tmp` (output_path/<job>)."""
+    from fp16_sdk.backends.local_docker_reaper import LABEL_SDK, sdk_label
+
+    me, root = sdk_label().get(LABEL_SDK), str(tmp)
+    slurm = getattr(sys.modules.get("helpers.slurm_cluster"), "started_here", False)
+
+    def labels(res) -> dict:
+        return res.attrs.get("Labels") or res.attrs.get("Config", {}).get("Labels") or {}
+
+    def mine(kind: str, res) -> bool:
+        found = labels(res)
+        key, name = _SLURM_LABEL.split("=", 1)
+        if (found.get(key) == name and slurm) or (me and found.get(LABEL_SDK) == me):
+            return True
+        return kind == "container" and any(
+            _under(m.get("Source") or "", (root,)) for m in res.attrs.get("Mounts") or [])
+
+    ours = [(kind, res) for kind, res in resources if mine(kind, res)]
+    jobs = {labels(res).get(_LABEL) for kind, res in ours}
+    ours += [(kind, res) for kind, res in resources
+             if kind == "network" and (kind, res) not in ours and labels(res).get(_LABEL)
+             and (labels(res)[_LABEL] in jobs or next(tmp.glob(f"**/{labels(res)[_LABEL]}"),
+                                                      None) is not None)]
+    return ours
+
+
 _BASELINE = pytest.StashKey[set]()
 _MARKER = pytest.StashKey[bytes]()
 _ROOTS = pytest.StashKey[tuple]()
@@ -131,6 +166,7 @@ def _leaked_docker(session: pytest.Session) -> list[str]:
     leaked = []
     new = [(kind, res) for rid, (kind, res) in _docker_resources(client).items()
            if rid not in before]
+    new = _made_here(new, Path(session.stash[_ROOTS][2]))
     for kind, res in sorted(new, key=lambda kr: kr[0]):  # containers before their networks
         leaked.append(f"{kind} {res.name} ({res.id[:12]})")
         try:

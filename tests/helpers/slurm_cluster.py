@@ -34,6 +34,9 @@ __all__ = ["SCRIPT", "SlurmCluster", "slurm_cluster"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "slurm-cluster.sh"
 _UP_TIMEOUT_S = 600  # a first `up` builds the node image (tens of seconds; apt inside)
+# Whether this session started the cluster (so its leak check in conftest may count it): a
+# cluster of the same name that another session started on the engine is not this one's.
+started_here = False
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,9 @@ def _require_engine() -> None:
 def slurm_cluster():
     """The running test cluster (`SlurmCluster`); started and removed here when not running."""
     _require_engine()
+    global started_here
     was_running = _script("status", timeout=60).returncode == 0
+    started_here = started_here or not was_running
     up = _script("up", timeout=_UP_TIMEOUT_S)
     if up.returncode != 0:
         if not was_running:
