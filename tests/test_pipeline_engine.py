@@ -30,6 +30,9 @@ class _Holder:
         self.module = module
         self.forward_module = module
 
+    def get_module(self):
+        return self.module
+
     def on_partitioned(self) -> None:
         pass  # nothing to set up: no data parallelism, no optimizer state
 
