@@ -51,7 +51,10 @@ def _run_job(mode: str) -> list[tuple[int, str]]:
 def test_torch_alone_aborts_when_a_worker_waits_for_the_gil_at_exit():
     """The control: if this stops failing that way, the scenario no longer reaches the race."""
     (rc0, out0), (rc1, out1) = _run_job("plain")
-    assert rc1 == 0, out1
+    # rank 1 may hit the same torch race (seen once in a clean-clone CI run): that is the same
+    # abort, not another failure
+    assert rc1 == 0 or (rc1 == -signal.SIGABRT and "terminate called without an active "
+                                                  "exception" in out1), out1
     assert rc0 == -signal.SIGABRT and "terminate called without an active exception" in out0, (
         f"rank 0 exited {rc0}: the late-decref scenario did not abort with torch alone, so "
         f"the smp test below no longer proves the drain; output:\n{out0}")
