@@ -34,7 +34,8 @@ from fp16_sdk import __version__, contract
 from fp16_sdk.errors import ConfigError, SDKError
 from fp16_sdk.toolkit import lifeline
 from fp16_sdk.toolkit.code import install_commands, prepare_code
-from fp16_sdk.toolkit.env import JobConfig, Paths, build_env, count_cpus, count_gpus
+from fp16_sdk.toolkit.env import (JobConfig, Paths, build_env, count_cpus, count_gpus,
+                                  seconds_setting)
 from fp16_sdk.toolkit.launcher import build_plan, distribution_enabled, wait_for_hosts
 from fp16_sdk.toolkit.passable import shown, unpassable
 from fp16_sdk.toolkit.process import (DEFAULT_GRACE_S, become_subreaper, run_process,
@@ -209,22 +210,9 @@ def _stopped_before_start(paths: Paths, signum: int, at: float | None) -> int:
 
 
 def _grace_s(environ: Mapping[str, str]) -> float:
-    """FP16_SDK_STOP_GRACE_S, else DEFAULT_GRACE_S.
-
-    Raises:
-        ConfigError: not a number >= 0.
-    """
-    text = environ.get(contract.STOP_GRACE_VAR)
-    if text is None:
-        return DEFAULT_GRACE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also refuses nan
-        raise ConfigError(f"FP16_SDK_STOP_GRACE_S must be a number of seconds >= 0, got "
-                          f"{shown(text)}", key="FP16_SDK_STOP_GRACE_S")
-    return value
+    """FP16_SDK_STOP_GRACE_S (a number >= 0), else DEFAULT_GRACE_S."""
+    grace = seconds_setting(environ, contract.STOP_GRACE_VAR, zero_allowed=True)
+    return DEFAULT_GRACE_S if grace is None else grace
 
 
 def _lifeline_fd(environ: Mapping[str, str]) -> int | None:

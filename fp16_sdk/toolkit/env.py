@@ -22,8 +22,10 @@ from typing import Any, Mapping
 
 from fp16_sdk import contract
 from fp16_sdk.errors import ConfigError
+from fp16_sdk.toolkit.passable import shown
 
 __all__ = [
+    "seconds_setting",
     "DEFAULT_BASE_DIR",
     "DEFAULT_MASTER_PORT",
     "SAGEMAKER_KEYS",
@@ -333,3 +335,25 @@ def count_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
         return os.cpu_count() or 1
+
+
+def seconds_setting(environ: Mapping[str, str], name: str, *, zero_allowed: bool) -> float | None:
+    """A toolkit setting in seconds (`FP16_SDK_STOP_GRACE_S`, `FP16_SDK_MAX_RUN_S`); None when
+    unset.
+
+    Raises:
+        ConfigError: not a number >= 0 (> 0 unless `zero_allowed`); an over-long value is
+            shown by its length only.
+    """
+    text = environ.get(name)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 if zero_allowed else value > 0):  # also refuses nan
+        bound = ">= 0" if zero_allowed else "> 0"
+        raise ConfigError(f"{name} must be a number of seconds {bound}, got {shown(text)}",
+                          key=name)
+    return value

@@ -25,7 +25,7 @@ import threading
 from typing import Mapping
 
 from fp16_sdk import contract
-from fp16_sdk.errors import ConfigError
+from fp16_sdk.toolkit.env import seconds_setting
 
 __all__ = ["start", "max_run_s"]
 
@@ -40,22 +40,8 @@ def _stop(why: str) -> None:
 
 
 def max_run_s(environ: Mapping[str, str]) -> float | None:
-    """FP16_SDK_MAX_RUN_S as seconds, None when unset.
-
-    Raises:
-        ConfigError: not a number > 0.
-    """
-    text = environ.get(contract.MAX_RUN_VAR)
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:  # also refuses nan
-        raise ConfigError(f"{contract.MAX_RUN_VAR} must be a number of seconds > 0, got {text!r}",
-                          key=contract.MAX_RUN_VAR, value=text)
-    return value
+    """FP16_SDK_MAX_RUN_S (a number > 0) as seconds, None when unset."""
+    return seconds_setting(environ, contract.MAX_RUN_VAR, zero_allowed=False)
 
 
 def _read(fd: int, size: int) -> bytes:
