@@ -85,21 +85,9 @@ class SlurmBackend(Backend):
     # ---- checks ------------------------------------------------------------------------
 
     @staticmethod
-    def _check_output_path(spec: JobSpec) -> None:
-        if not spec.output_path.startswith("file:///"):
-            raise ConfigError(f"output_path={spec.output_path!r} must be a file:// folder on "
-                              "the shared filesystem every Slurm node sees at the same path, "
-                              "such as 'file:///shared/jobs'", key="output_path",
-                              value=spec.output_path)
-
-    @staticmethod
-    def _check_locations(spec: JobSpec, shared: Sequence[Path]) -> None:
-        for ch in spec.channels:
-            if not ch.uri.startswith("file://"):
-                raise ConfigError(f"inputs[{ch.name!r}]={ch.uri!r}: the Slurm backend reads "
-                                  "file:// channels only; copy the data to the shared "
-                                  "filesystem (aws s3 sync ...) and pass file://",
-                                  key="inputs", value=ch.uri)
+    def _check_checkpoints(spec: JobSpec, shared: Sequence[Path]) -> None:
+        """Checkpoints on the shared filesystem (the placement has checked output_path and
+        the channels already)."""
         for key in ("checkpoint_s3_uri", "checkpoint_local_path"):
             value = getattr(spec, key)
             if value is None:
@@ -170,11 +158,12 @@ class SlurmBackend(Backend):
             BackendError: a Slurm command failed (its argv and Slurm's words in the message).
         """
         options = SlurmOptions.parse(spec.backend_options)
-        SHARED_FILESYSTEM.check_request(spec)  # the table row's rules, for hand-built specs too
-        self._check_output_path(spec)  # first: the shared paths start from it
+        # the table row's rules (output_path an absolute file:// URI, file:// channels), for
+        # hand-built specs too; the shared paths start from output_path's folder
+        SHARED_FILESYSTEM.check_request(spec)
         files = script.JobFiles(lc.job_dir(spec))
         shared = (files.root.parent, *options.shared_paths)
-        self._check_locations(spec, shared)
+        self._check_checkpoints(spec, shared)
         script.check_job_dir(files.root)
         if files.record.exists():
             raise ConfigError(f"job_name={spec.job_name!r} is already used ({files.root} holds "
