@@ -362,8 +362,9 @@ def test_host_tree_config_files_and_sharding(tmp_path):
     (trees[1].model / "w.pt").write_text("host2")
     (trees[1].model / "only2.txt").write_text("b")
     (trees[1].output / "failure").write_text("ExitCode 7\nCommand: x\n")
-    assert lc.read_failure(trees[1]) == (7, "ExitCode 7\nCommand: x")
-    assert lc.read_failure(trees[0]) is None
+    found = lc.host_failure(trees[1])
+    assert (found.host, found.exit_code, found.reason) == ("algo-2", 7, "ExitCode 7\nCommand: x")
+    assert lc.host_failure(trees[0]) is None
     paths = lc.collect_artifacts(spec, trees)
     with tarfile.open(paths["model"]) as tar:
         assert sorted(tar.getnames()) == ["only2.txt", "w.pt"]
@@ -390,7 +391,8 @@ def test_failure_file_that_is_a_link_or_fifo_is_not_read(tmp_path, plant):
         (tree.root / "output").symlink_to(secret)
     else:
         os.mkfifo(tree.failure_file)  # nobody ever writes: a blocking open would hang here
-    code, text = lc.read_failure(tree)
+    found = lc.host_failure(tree)
+    code, text = found.exit_code, found.reason
     assert code is None and "host secret" not in text
     assert f"{tree.failure_file} was not read" in text, text
 
@@ -399,7 +401,8 @@ def test_failure_file_is_read_bounded_and_cut_characters_replaced(tmp_path):
     lc, tree = _tree(tmp_path)
     body = b"ExitCode 3\n" + b"x" * (lc.FAILURE_FILE_LIMIT - 12) + "é".encode()  # é cut in two
     tree.failure_file.write_bytes(body + b"y" * 10_000_000)
-    code, text = lc.read_failure(tree)
+    found = lc.host_failure(tree)
+    code, text = found.exit_code, found.reason
     assert code == 3
     assert text.endswith(f"x\ufffd\n[failure file cut at {lc.FAILURE_FILE_LIMIT} bytes]")
     assert len(text) < lc.FAILURE_FILE_LIMIT + 100

@@ -9,8 +9,7 @@ output/model.tar.gz            /opt/ml/model of every host, merged (the remote l
 output/output.tar.gz           /opt/ml/output/data of every host, merged
 ```
 Public API (small on purpose, shared by local_process and local Docker):
-`job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `read_failure`
-(and `host_failure`),
+`job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `host_failure`,
 `collect_artifacts`, `remove_hosts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`, `JobLog`, and
 `follow_or_stop` (what `wait()` does on Ctrl-C and SIGTERM, the same for both backends).
 """
@@ -36,7 +35,7 @@ from fp16_sdk.backends.failures import FAILURE_FILE_LIMIT, HostFailure, read_hos
 from fp16_sdk.backends.placement import DEFAULT_OUTPUT_DIRNAME  # file://<cwd>/fp16_sdk_jobs
 
 __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
-           "checkpoint_store", "read_failure", "host_failure", "FAILURE_FILE_LIMIT", "collect_artifacts", "remove_hosts",
+           "checkpoint_store", "host_failure", "FAILURE_FILE_LIMIT", "collect_artifacts", "remove_hosts",
            "final_metrics", "JobLog", "Terminated", "sigterm_raises", "follow_or_stop"]
 
 log = logging.getLogger(__name__)
@@ -151,16 +150,6 @@ def _link_channel(ch: Channel, target: Path, *, rank: int, count: int) -> None:
             link = target / path.relative_to(src)
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(path)
-
-
-def read_failure(tree: HostTree) -> tuple[int | None, str] | None:
-    """A host's failure file as (exit code of the user's command, full text); None if absent.
-
-    `failures.read_host_failure` with no link followed below the host's tree; see it for the
-    header a backend reads (`host_failure` gives the whole HostFailure).
-    """
-    found = host_failure(tree)
-    return None if found is None else (found.exit_code, found.reason)
 
 
 def host_failure(tree: HostTree) -> HostFailure | None:
