@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Mapping
 
 from fp16_sdk.backends.placement import (LOCAL_FOLDERS, S3_STORAGE, SHARED_FILESYSTEM,
                                          JobFolder, LocalFolders, Placement, S3Storage,
-                                         SharedFilesystem)
+                                         SharedFilesystem, use_backend_table)
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator_args import SageMakerOptions
 
@@ -299,6 +299,7 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("slurm", "fp16_sdk.backends.slurm:SlurmBackend", placement=SHARED_FILESYSTEM,
                  instance_types=("slurm",)),
 )}
+use_backend_table(BACKENDS)  # placement's errors name the file:// rows' instance types
 # The types whose jobs stay on this machine, as the table stands at import.
 LOCAL_TYPES = tuple(t for e in BACKENDS.values() if isinstance(e.placement, LocalFolders)
                     for t in e.instance_types)

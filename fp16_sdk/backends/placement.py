@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Placement", "LocalFolders", "SharedFilesystem", "S3Storage", "JobFolder",
            "LOCAL_FOLDERS", "SHARED_FILESYSTEM", "S3_STORAGE", "claim_job_folder",
-           "DEFAULT_OUTPUT_DIRNAME"]
+           "DEFAULT_OUTPUT_DIRNAME", "use_backend_table"]
 
 DEFAULT_OUTPUT_DIRNAME = "fp16_sdk_jobs"  # local default output_path: file://<cwd>/fp16_sdk_jobs
 LOCATION_KEYS = ("output_path", "code_location", "checkpoint_s3_uri")  # on a JobSpec
@@ -89,11 +89,22 @@ def _types_text(types: tuple[str, ...]) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+# backends.base's table of rows (BACKENDS), which names this module's policies: base imports
+# this module, so it hands its table over (`use_backend_table`) rather than being imported
+# from here. Read at each error: rows added to the table later count.
+_backend_table: dict = {}
+
+
+def use_backend_table(table: dict) -> None:
+    """Called once by backends.base with BACKENDS (the same dict object, not a copy)."""
+    global _backend_table
+    _backend_table = table
+
+
 def _file_types() -> str:
     """The instance types whose placement keeps files on file:// storage, as error text."""
-    from fp16_sdk.backends.base import BACKENDS  # the table names this module's policies
-    return _types_text(tuple(t for e in BACKENDS.values() if e.placement.scheme == "file://"
-                             for t in e.instance_types))
+    return _types_text(tuple(t for e in _backend_table.values()
+                             if e.placement.scheme == "file://" for t in e.instance_types))
 
 
 class Placement(abc.ABC):

@@ -79,10 +79,16 @@ def _push(frame: dict):
             nn.Module.__init__ = _original_init
 
 
-def _check_options(options: dict) -> None:
-    from .nn.numerics import refuse_unsupported
+def _refuse_unsupported(options: dict) -> None:
+    """Raise for creation options that would change numerics and are not implemented."""
+    if options.get("use_alibi"):
+        raise SMPConfigError("use_alibi=True: ALiBi position biases are not implemented in this "
+                             "runtime; pass use_alibi=False (learned position embeddings)",
+                             key="use_alibi", value=True)
 
-    refuse_unsupported(options)
+
+def _check_options(options: dict) -> None:
+    _refuse_unsupported(options)
     for key in options:
         if key not in KNOWN_TP_OPTIONS and key not in _warned:
             _warned.add(key)

@@ -16,14 +16,13 @@ the creation context); left at None, a module created inside `smp.model_creation
 - fp32_residual_addition: residual sums in fp32, cast back to the input dtype.
 - flash_attention: torch's scaled_dot_product_attention (flash kernels on GPU), the default
   path whenever none of the three attention options above is set.
-- use_alibi (ALiBi position biases): not implemented; True is refused.
+- use_alibi (ALiBi position biases): not implemented; True is refused by the creation
+  contexts (contexts.py).
 """
 
 from __future__ import annotations
 
-from ..errors import SMPConfigError
-
-__all__ = ["ATTENTION_OPTIONS", "MLP_OPTIONS", "NUMERICS_OPTIONS", "resolve", "refuse_unsupported"]
+__all__ = ["ATTENTION_OPTIONS", "MLP_OPTIONS", "NUMERICS_OPTIONS", "resolve"]
 
 ATTENTION_OPTIONS = ("attention_in_fp32", "query_key_layer_scaling", "fused_softmax",
                      "fp32_residual_addition")
@@ -38,11 +37,3 @@ def resolve(name: str, value: bool | None) -> bool:
     from ..contexts import current_tp_config
 
     return bool(current_tp_config().get(name, False))
-
-
-def refuse_unsupported(options: dict) -> None:
-    """Raise for creation options that would change numerics and are not implemented."""
-    if options.get("use_alibi"):
-        raise SMPConfigError("use_alibi=True: ALiBi position biases are not implemented in this "
-                             "runtime; pass use_alibi=False (learned position embeddings)",
-                             key="use_alibi", value=True)

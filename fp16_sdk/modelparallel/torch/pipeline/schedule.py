@@ -12,6 +12,9 @@ function):
 | O(mb), s < p-1    | out(mb) from p-1                 | -                                   |
 | B(mb)             | grad(mb) from s+1 (s < p-1)      | grad(mb) to s-1 (s > 0)             |
 
+The actions and `messages()` are actions.py's (the simulator reads them too); this module
+builds the lists.
+
 Sends never block (isend, waited at the end of the step); a receive blocks until its message
 is there. Messages between one pair of ranks are matched in the order they were posted (NCCL
 has no tags), so the builders place every `O` where the last stage's sends to that stage
@@ -37,57 +40,17 @@ Forward-only steps (evaluation; the rule is in step.py) have no B actions:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from ..errors import SMPConfigError
+from .actions import B, F, O, Action, Kind, Message, messages
+from .simulate import simulate
 
 __all__ = [
     "Kind", "Action", "Message", "Schedule", "F", "B", "O",
     "simple_schedule", "interleaved_schedule", "forward_only_schedule", "switch_to_forward_only",
     "build_schedule", "messages", "format_grid", "run_actions",
 ]
-
-
-class Kind(str, enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-    RECV_OUTPUT = "O"
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one stage: `kind` applied to microbatch `mb`."""
-
-    kind: Kind
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}{self.mb}"
-
-    __repr__ = __str__
-
-
-def F(mb: int) -> Action:
-    return Action(Kind.FORWARD, mb)
-
-
-def B(mb: int) -> Action:
-    return Action(Kind.BACKWARD, mb)
-
-
-def O(mb: int) -> Action:  # noqa: E743 (the letter is the action's name in the grid)
-    return Action(Kind.RECV_OUTPUT, mb)
-
-
-@dataclass(frozen=True)
-class Message:
-    """A point-to-point transfer implied by an action: `what` is "act", "grad" or "out"."""
-
-    src: int
-    dst: int
-    what: str
-    mb: int
 
 
 @dataclass(frozen=True)
@@ -121,31 +84,6 @@ class Schedule:
 
     def __str__(self) -> str:
         return format_grid(self)
-
-
-def messages(schedule_or_p, stage: int, action: Action) -> tuple[list[Message], list[Message]]:
-    """The (receives, sends) that `action` performs on `stage` (the table in the module doc)."""
-    p = schedule_or_p.num_stages if isinstance(schedule_or_p, Schedule) else schedule_or_p
-    last, mb = p - 1, action.mb
-    recvs: list[Message] = []
-    sends: list[Message] = []
-    if action.kind is Kind.FORWARD:
-        if stage > 0:
-            recvs.append(Message(stage - 1, stage, "act", mb))
-        if stage < last:
-            sends.append(Message(stage, stage + 1, "act", mb))
-        else:
-            sends.extend(Message(last, dst, "out", mb) for dst in range(last))
-    elif action.kind is Kind.RECV_OUTPUT:
-        if stage == last:
-            raise ValueError("the last stage computes its outputs; it has no O action")
-        recvs.append(Message(last, stage, "out", mb))
-    else:
-        if stage < last:
-            recvs.append(Message(stage + 1, stage, "grad", mb))
-        if stage > 0:
-            sends.append(Message(stage, stage - 1, "grad", mb))
-    return recvs, sends
 
 
 def _check_sizes(p: int, m: int) -> None:
@@ -296,8 +234,6 @@ def format_grid(schedule: Schedule, *, t_f: int = 1, t_b: int = 1) -> str:
     Each column is one time unit; an action of cost c fills c cells; "." is idle. O actions
     take no time and are listed under the grid.
     """
-    from .simulate import simulate  # simulate imports this module
-
     result = simulate(schedule, t_f=t_f, t_b=t_b)
     width = max(3, len(str(schedule.num_microbatches - 1)) + 2)
     cells = [["." * 1] * int(round(result.makespan)) for _ in range(schedule.num_stages)]

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import SMPError
-from .schedule import Action, Kind, Schedule, messages
+from .actions import Action, Kind, messages
+
+if TYPE_CHECKING:  # annotations only: schedule.py renders its grids with this simulator
+    from .schedule import Schedule
 
 __all__ = ["ScheduleError", "Event", "SimulationResult", "simulate", "check_schedule"]
 
