@@ -91,7 +91,7 @@ def _full_grads(model) -> dict:
         g = p.grad
         grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().float()
     if smp.tp_size() > 1:
-        from fp16_sdk.modelparallel.torch.nn.auto import gather_full_state_dict
+        from fp16_sdk.modelparallel.torch.nn.state_dicts import gather_full_state_dict
         grads = dict(gather_full_state_dict(model.module, grads))
     return grads
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fp16_sdk.modelparallel.torch import nn as snn
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.nn import mappings as M
-from fp16_sdk.modelparallel.torch.nn.auto import shard_full_state_dict
+from fp16_sdk.modelparallel.torch.nn.state_dicts import shard_full_state_dict
 from helpers.mp import run_ranks
 from helpers.tp_checks import assert_close, full_grads
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fp16_sdk.modelparallel.torch.nn.auto import gather_full_state_dict
+from fp16_sdk.modelparallel.torch.nn.state_dicts import gather_full_state_dict
 
 __all__ = ["ATOL", "assert_close", "full_grads"]
 

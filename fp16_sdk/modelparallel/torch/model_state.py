@@ -94,7 +94,7 @@ def local_state_dict(root: nn.Module) -> dict:
 def _gather_tp(sd: dict, root: nn.Module) -> dict:
     if state.topology.tp == 1:
         return sd
-    from .nn.auto import gather_full_state_dict
+    from .nn.state_dicts import gather_full_state_dict
     return dict(gather_full_state_dict(root, sd))
 
 
@@ -141,7 +141,7 @@ def prepare_state_dict_for_load(root: nn.Module, sd: dict, *, same_partition_loa
     if topo.pp > 1:  # other stages' tensors are freed here: only local entries can load
         sd = {k: v for k, v in sd.items() if k in expected}
     if topo.tp > 1:
-        from .nn.auto import shard_full_state_dict
+        from .nn.state_dicts import shard_full_state_dict
         sd = dict(shard_full_state_dict(root, sd))  # full tensors sliced, shards kept
     return sd, expected
 

@@ -8,12 +8,13 @@ imports transformers.
 import importlib
 
 from .attention import DistributedAttentionLayer
-from .auto import (distribute_tensor_parallel, distributed_modules, gather_full_state_dict,
-                   is_distributed_parameter, is_scaled_batch_parameter, shard_full_state_dict)
+from .auto import (distribute_tensor_parallel, distributed_modules, is_distributed_parameter,
+                   is_scaled_batch_parameter)
 from .layernorm import FusedLayerNorm
 from .layers import DistributedEmbedding, DistributedLinear, DistributedModule
 from .mappings import TPContext
 from .registry import tp_register, tp_register_with_module
+from .state_dicts import gather_full_state_dict, shard_full_state_dict
 from .transformer import (DistributedTransformer, DistributedTransformerLayer,
                           DistributedTransformerLMHead, DistributedTransformerOutputLayer)
 

@@ -10,7 +10,7 @@ Parameter attributes set here (docs/internals.md):
   ones alike: they see the TP group's gathered batch, so they are reduced over RDP too.
 A module records `_smp_split_dims` {parameter name: split dim} for state-dict gather/shard, and
 `_smp_split_parts` {parameter name: parts} for fused projections (q|k|v side by side along the
-split dim: each part is split on its own, see auto.py `shard_tensor`).
+split dim: each part is split on its own, see state_dicts.py `shard_tensor`).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def _is_pretrained(module: nn.Module) -> bool:
 def _register_translate_functions(hf_model: nn.Module) -> None:
     """One (smp_to_hf, hf_to_smp) pair for hf_model's state dicts (keys relative to it)."""
     from ...state import state
-    from ..auto import gather_full_state_dict, shard_full_state_dict
+    from ..state_dicts import gather_full_state_dict, shard_full_state_dict
 
     def smp_to_hf(state_dict: dict[str, Any]) -> dict[str, Any]:
         # tensors of this rank's shard shape are gathered (collective); full ones are kept

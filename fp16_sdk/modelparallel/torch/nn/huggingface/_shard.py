@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import SMPUnsupportedError
-from ..auto import _gather_tensor, shard_tensor
+from ..state_dicts import gather_tensor, shard_tensor
 from ..layers import DistributedModule, check_divisible
 from ..mappings import (TPContext, copy_to_tensor_parallel_region,
                         gather_batch_from_tensor_parallel_group,
@@ -321,7 +321,7 @@ def gather_state_dict(state_dict: Mapping[str, Any], arch: Arch, *, group: Any) 
     for key in sorted(out):
         rule = _rule_for(key, rules) if isinstance(out[key], torch.Tensor) else None
         if rule is not None:
-            out[key] = _gather_tensor(out[key].detach(), rule[0], rule[1], group)
+            out[key] = gather_tensor(out[key].detach(), rule[0], rule[1], group)
     return out
 
 
