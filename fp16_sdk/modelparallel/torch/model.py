@@ -4,7 +4,8 @@ Wrap time: TP module replacement (tp > 1, by smp.nn's `distribute_tensor_paralle
 FP16 / BF16 wrapper (`fp16.module.FP16Module`); with pp == 1 also device placement,
 parameter and buffer broadcast from the first rank of each data-parallel group, and the
 gradient reducer. Post-partition hooks and a pending load_state_dict run at the first
-`smp.step`. Gradient maths: see reducer.py.
+`smp.step`. The order of these steps is parallelize.py's `ParallelPlan`, which this model
+runs (`__init__`, `_build_pipeline`, `on_partitioned`). Gradient maths: see reducer.py.
 
 With pp > 1, partitioning happens at the first `smp.step`, as smp does: the pipeline engine
 is built then (so `smp.partition` / `smp.set_partition` calls made before or after wrapping
@@ -26,8 +27,6 @@ pipeline engine sees of it is pipeline/host.py's PipelineHost (`forward_module`,
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -38,11 +37,10 @@ from torch.utils.hooks import RemovableHandle
 
 from . import delayed_init, replicas, sharded_data_parallel
 from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
-from .fp16.module import BF16Module, FP16Module
-from .nn.auto import distribute_tensor_parallel
 from .model_state import StateDicts
 from .module_levels import ModuleLevel, build_levels
 from .model_views import LocalViews
+from .parallelize import ParallelPlan
 from .reducer import GradReducer, ReductionGroup
 from .state import state
 
@@ -50,13 +48,6 @@ if TYPE_CHECKING:
     from .pipeline.engine import PipelineEngine
 
 __all__ = ["DistributedModel"]
-
-
-def _fp16_wrapper(module: nn.Module) -> nn.Module:
-    cfg = state.cfg
-    if not (cfg.fp16 or cfg.bf16):
-        return module
-    return FP16Module(module) if cfg.fp16 else BF16Module(module)
 
 
 class DistributedModel(LocalViews, StateDicts, nn.Module):
@@ -109,20 +100,13 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             raise SMPConfigError(f"bucket_cap_mb ({bucket_cap_mb!r}) must be > 0",
                                  key="bucket_cap_mb", value=bucket_cap_mb)
         super().__init__()
-        delayed = delayed_init.begin(module)  # meta parameters: placeholders, this rank's share
         self._wrapped_input = weakref.ref(module)  # what the script passed (TP may replace it)
         self._wrap_args = given
-        if state.topology.tp > 1:
-            module = distribute_tensor_parallel(module)
-        delayed_init.after_tensor_parallel(delayed, module)
-        if "transformers" in sys.modules:  # smp v1's names (transformer.seq_layers, ...) on HF models
-            from .nn.huggingface.v1_names import add_v1_names
-            add_v1_names(module)
-        from .activation_checkpointing import apply_recorded
-        apply_recorded(module)  # set_activation_checkpointing calls made before wrapping
-        wrapper = _fp16_wrapper(module)
-        self.module = module
-        object.__setattr__(self, "_forward_module", wrapper)  # not a submodule: no key prefix
+        self._plan = ParallelPlan.from_state()  # the order of the steps: parallelize.py
+        wrapped = self._plan.wrap(module)
+        self.module = wrapped.module
+        # not a submodule: no key prefix
+        object.__setattr__(self, "_forward_module", wrapped.forward_module)
         self.trace_device, self.trace_execution_times = trace_device, trace_execution_times
         self.trace_memory_usage = trace_memory_usage
         self.overlapping_allreduce = overlapping_allreduce
@@ -208,26 +192,27 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
 
     def _build_pipeline(self) -> None:
         """pp > 1, first step: the engine decides the partition now (module docstring)."""
-        from .pipeline.engine import PipelineEngine
-        self._pipeline = PipelineEngine(self)
+        self._pipeline = self._plan.partition_at_first_step(self)
 
     def on_partitioned(self) -> None:
-        """The local part is final: broadcast it over DP, build the reducer and the
-        optimizer's per-stage state; with pp > 1 (called by the engine inside the first step)
-        also run the post-partition hooks. Called once, by the runtime, never by scripts."""
+        """The local part is final: broadcast it over DP, shard it (sdp), build the reducer
+        and the optimizer's per-stage state; with pp > 1 (called by the engine inside the
+        first step) also run the post-partition hooks (parallelize.py, steps 7-9). Called
+        once, by the runtime, never by scripts."""
+        self._plan.after_partition(self)
+
+    # what parallelize.py's partition-time steps do to the model (its PartitionHost)
+    def broadcast_parameters(self) -> None:
+        """Make every data-parallel replica's parameters and buffers equal to the first's."""
         self._broadcast_state(params=True)
-        if sharded_data_parallel.enabled() and self._sdp is None:  # after the broadcast
-            self._sdp = sharded_data_parallel.shard_model(self.get_module())
-            if state.rank == 0:
-                logging.getLogger("smp").info(sharded_data_parallel.wrap_line(self._sdp,
-                                                                              self.get_module()))
+
+    def keep_sharding(self, figures: dict) -> None:
+        """Sharded data parallelism sharded the parameters (shard_model's figures)."""
+        self._sdp = figures
+
+    def build_reducer(self) -> None:
+        """The gradient reducer of the local parameters FSDP does not reduce itself."""
         self._reducer = self._build_reducer()
-        self.partitioned = True
-        optimizer = state.optimizer
-        if optimizer is not None:
-            optimizer.build_stage_state()
-        if self.pipelined:
-            self._run_partition_hooks()
 
     def _broadcast_state(self, *, params: bool) -> None:
         """Make every data-parallel replica equal to the first one of its group."""
@@ -261,7 +246,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         return found
 
     # ---- step protocol (called by smp.step, never by scripts) ----------------------------------
-    def _run_partition_hooks(self) -> None:
+    def run_partition_hooks(self) -> None:
+        """The post-partition hooks, then a pending load_state_dict (once)."""
         self._hooks_ran = True
         for hook in list(self._post_partition_hooks.values()):
             hook(self, state.optimizer)
@@ -278,7 +264,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         elif not self.partitioned:
             pass  # a first step that failed before the engine finished partitioning
         elif not self._hooks_ran:
-            self._run_partition_hooks()
+            self.run_partition_hooks()
         elif self.broadcast_buffers:
             self._broadcast_state(params=False)
         if self._reducer is not None and self._reducer.armed:

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..delayed_init import check_partition, trace_units
 from ..errors import StepError
 from ..state import state
 from .bodies import Bodies
@@ -45,7 +44,7 @@ from .partition import Partition, auto_partition, manual_partition
 from .schedule import Kind, build_schedule, forward_only_schedule, switch_to_forward_only
 from .stage_forward import StageForward
 from .stage_params import broadcast_from, find_tied, mark_stages, release_other_stages
-from .trace import Tracer
+from .trace import TraceHooks, Tracer
 
 __all__ = ["PipelineEngine", "PipelineSettings"]
 
@@ -105,10 +104,14 @@ class PipelineEngine:
             `forward_module`, `on_partitioned()`, `prepare_grad_sync(mb)`,
             `finishes_pipeline_steps`).
         settings: PipelineSettings; default from the runtime state.
+        hooks: what the wrap asks of the partition and the trace (delayed initialization's
+            FirstStepTrace), or None.
     """
 
-    def __init__(self, model: PipelineHost, settings: PipelineSettings | None = None):
+    def __init__(self, model: PipelineHost, settings: PipelineSettings | None = None, *,
+                 hooks: TraceHooks | None = None):
         self.model = model
+        self.hooks = hooks
         self.settings = s = settings or PipelineSettings.from_state()
         self.stage, self.last = s.stage, s.num_stages - 1
         self.module: nn.Module = model.get_module()
@@ -119,7 +122,8 @@ class PipelineEngine:
         else:
             self.partition = manual_partition(self.module, s.num_stages,
                                               recorded=s.recorded, default=s.default_partition)
-        check_partition(self.module, self.partition)  # delayed init realised this one
+        if hooks is not None:
+            hooks.check_partition(self.partition)  # delayed init realised this one
         mark_stages(self.module, self.partition)
         self._stage_forward = StageForward(self.module, self.partition, self.stage,
                                            s.num_stages, s.device)
@@ -171,10 +175,13 @@ class PipelineEngine:
         s = self.settings
         args, kwargs = self._first_request()
         broadcast_from(self.module, s.pp_ranks[0], s.group)  # tied copies start equal
-        tracer = Tracer(self.module, self._stage_forward.units, s.num_stages)
+        hooks = self.hooks
+        tracer = Tracer(self.module, self._stage_forward.units, s.num_stages,
+                        around_unit=hooks.around_unit if hooks is not None else None)
         state.tracing = True
         try:
-            with _unchanged(self.module), trace_units(self.module, tracer):
+            with _unchanged(self.module), \
+                    (hooks.tracing() if hooks is not None else contextlib.nullcontext()):
                 self.trace = self._stage_forward.run_trace(tracer, self.model.forward_module,
                                                            args, kwargs)
         finally:

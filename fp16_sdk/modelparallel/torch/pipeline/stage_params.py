@@ -36,7 +36,7 @@ from torch import nn
 from .partition import Partition
 
 __all__ = ["mark_stages", "broadcast_from", "find_tied", "release_other_stages",
-           "TiedParam", "held_bytes"]
+           "TiedParam", "held_bytes", "held_before_trace"]
 
 
 class TiedParam:
@@ -127,6 +127,16 @@ def _kept_ids(module: nn.Module, part: Partition, stage: int,
         kept.update(id(t) for t in sub._parameters.values() if t is not None)
         kept.update(id(t) for t in sub._buffers.values() if t is not None)
     return kept
+
+
+def held_before_trace(module: nn.Module, part: Partition, stage: int) -> set[int]:
+    """ids of the parameters (and buffers) `stage` holds as known before the first step's
+    trace: its units', the tree's own and the declared ties (what delayed initialization
+    realises at wrap with pp > 1; the trace may add uses it finds)."""
+    kept = _kept_ids(module, part, stage, {})
+    named = dict(module.named_parameters())
+    return kept | {id(named[n]) for n, stages in _declared(module, part).items()
+                   if stage in stages and n in named}
 
 
 def _placed_names(part: Partition) -> list[str]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import SMPConfigError
 
-__all__ = ["UnitCall", "Trace", "Tracer", "tensors_of", "PartitionRefused"]
+__all__ = ["UnitCall", "Trace", "Tracer", "TraceHooks", "AroundUnit", "tensors_of",
+           "PartitionRefused"]
 
 # Accessors that read metadata only: neither a use of a parameter nor a value escaping.
 _METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "element_size",
@@ -120,18 +121,38 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+AroundUnit = Callable[[nn.Module, Callable[[], Any]], Any]  # (unit, its call) -> its output
+
+
+class TraceHooks(Protocol):
+    """What the side that built the model may ask of the first step's partition and trace
+    (delayed initialization: delayed_init/first_step.py). The engine takes one (or None).
+    """
+
+    def check_partition(self, part) -> None:
+        """Called with the engine's partition before anything is placed; may refuse it."""
+
+    def around_unit(self, unit: nn.Module, call: Callable[[], Any]) -> Any:
+        """Runs each unit call of the trace (`call()`), returning its output."""
+
+    def tracing(self) -> ContextManager:
+        """Entered around the whole trace."""
+
+
 class Tracer:
     """Records one forward. `call` is what a patched unit's forward does while tracing.
 
     Args:
-        module: the whole model (every tensor still real).
+        module: the whole model (every tensor still real, or realised by `around_unit`).
         units: unit module -> (qualified name, stage).
         num_stages: p.
+        around_unit: runs each unit call (TraceHooks.around_unit), or None.
     """
 
     def __init__(self, module: nn.Module, units: dict[nn.Module, tuple[str, int]],
-                 num_stages: int):
+                 num_stages: int, *, around_unit: AroundUnit | None = None):
         self.units = units
+        self._around_unit = around_unit
         self.p = num_stages
         self.everywhere = frozenset(range(num_stages))
         self.owner: dict[int, tuple[str, int]] = {}  # id(param/buffer) -> (name, stage)
@@ -185,7 +206,12 @@ class Tracer:
             self._set(args[0], prov)
 
     def call(self, module: nn.Module, inner: Callable, args, kwargs):
-        """A unit's call while tracing."""
+        """A unit's call while tracing (through `around_unit` when one was given)."""
+        if self._around_unit is not None:
+            return self._around_unit(module, lambda: self._call(module, inner, args, kwargs))
+        return self._call(module, inner, args, kwargs)
+
+    def _call(self, module: nn.Module, inner: Callable, args, kwargs):
         if self._unit_stage is not None:
             return inner(*args, **kwargs)  # called inside another unit: part of that one
         name, stage = self.units[module]

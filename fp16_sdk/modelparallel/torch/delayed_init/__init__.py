@@ -1,0 +1,52 @@
+"""Delayed parameter initialization: parameters on the meta device until the rank's share is known.
+
+Creation (`smp.delay_param_initialization()`, or `smp.model_creation(...)` with
+`delayed_param_initialization=True` or the config's `delayed_parameter_initialization`)
+registers parameters on the meta device, one module's parameters real at a time so the RNG
+advances exactly as in eager creation, and records where each module's init started. At
+DistributedModel wrap every rank takes global rank 0's RNG snapshots (eager creation
+broadcasts rank 0's weights; here each rank initialises its own share from the same
+snapshots), every meta parameter becomes a 0-element placeholder, and this rank's share is
+materialised by replaying each module's init, unit by unit.
+
+    creation.py      the creation context: `meta_parameters()`, `not_delayed`
+    meta.py          meta registration, one module's parameters real at a time
+    hf_init.py       transformers models: recording (and, if none, supplying) each module's init
+    placeholders.py  per-rank placeholder shares: `replace_meta`, `is_delayed`, `full_numel`
+    agreement.py     RNG snapshots agreed from rank 0; modules that cannot be replayed refused
+    materialise.py   `DelayedPlan`: realise / release placeholders, the memory figures
+    wrap.py          at wrap: `begin`, TP's `realise_module` / `release_module`,
+                     `after_tensor_parallel` (who realises what, per layout)
+    first_step.py    pp > 1, first step: the trace hooks the pipeline engine takes
+
+parallelize.py calls these in order and hands in what the pipeline and the sharding decide;
+this package imports neither.
+
+Why realise-then-shard and not torch's documented meta route for FSDP2 (fully_shard on meta,
+`to_empty`, then init per shard): an init applied per shard cannot reproduce eager values
+(kaiming/normal draws are made over the whole tensor in one RNG stream, and fan-in comes from
+the whole shape), and reproducing eager creation with the same seed is the contract here.
+`to_empty` itself is not used because it re-allocates a whole subtree at once (including
+tied parameters owned elsewhere) and the placeholder objects must survive (an optimizer may
+hold them); `p.data = torch.empty(...)` per parameter is the allocation.
+
+Limits (refused by name): a module with meta parameters and neither reset_parameters() nor a
+transformers post_init (`nn.Parameter(torch.randn(n))` in a plain __init__) cannot be
+reproduced; pipeline_parallel_degree > 1 with tensor_parallel_degree > 1 (the partition is
+decided on the tensor-parallel model, whose shapes exist only after TP distribution); a
+pipeline model whose forward uses another stage's parameter outside that stage's modules
+(a tie the partition cannot see before the trace) fails at the first step with an error
+naming the key. Random buffers are not agreed between ranks (eager creation broadcasts rank
+0's): use the same seed on every rank. The script's RNG state is restored after each
+realisation, so wrap-time draws (smp.nn layers built by TP distribution) match eager.
+"""
+
+from .creation import meta_parameters, not_delayed
+from .first_step import FirstStepTrace, first_step_trace
+from .materialise import DelayedPlan, plan_of
+from .placeholders import full_numel, has_meta, is_agreed, is_delayed
+from .wrap import after_tensor_parallel, begin, realise_module, release_module
+
+__all__ = ["meta_parameters", "not_delayed", "begin", "after_tensor_parallel",
+           "realise_module", "release_module", "has_meta", "is_delayed", "is_agreed",
+           "full_numel", "DelayedPlan", "plan_of", "FirstStepTrace", "first_step_trace"]

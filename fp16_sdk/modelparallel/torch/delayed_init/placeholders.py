@@ -1,0 +1,66 @@
+"""Per-rank placeholder shares: what a delayed parameter is between wrap and materialisation.
+
+At DistributedModel wrap every meta parameter becomes a 0-element placeholder of the same
+dtype (`replace_meta`: full shape in `_smp_full_shape`, creation dtype in
+`_smp_creation_dtype`, `_smp_delayed_init = True`), the same Parameter object wherever it is
+registered, so tied weights stay tied and an optimizer built later sees the final objects.
+Materialisation (materialise.py) allocates and initialises the placeholders of this rank's
+share. A TP slice of a realised weight is marked `_smp_agreed` (equal on every rank, like a
+realised parameter): the wrap-time broadcasts skip both (`is_agreed`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["has_meta", "is_delayed", "is_agreed", "pending_placeholder", "full_numel",
+           "replace_meta"]
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def is_delayed(t) -> bool:
+    """A parameter created by delayed initialization (agreed across ranks: not broadcast)."""
+    return bool(getattr(t, "_smp_delayed_init", False))
+
+
+def is_agreed(t) -> bool:
+    """Equal on every rank by construction: delayed, or a TP slice of a delayed weight."""
+    return is_delayed(t) or bool(getattr(t, "_smp_agreed", False))
+
+
+def pending_placeholder(p) -> bool:
+    return p.numel() == 0 and "_smp_full_shape" in p.__dict__ and is_delayed(p) \
+        and p._smp_full_shape != (0,)
+
+
+def full_numel(p) -> int:
+    """Elements of `p` as created (a placeholder counts its full shape)."""
+    if p.numel() == 0 and "_smp_full_shape" in p.__dict__:
+        n = 1
+        for d in p._smp_full_shape:
+            n *= d
+        return n
+    return p.numel()
+
+
+def replace_meta(root: nn.Module) -> list[nn.Parameter]:
+    """Swap every meta parameter for a 0-element CPU placeholder (module doc); the same
+    object wherever the meta parameter is registered (tied weights stay tied)."""
+    real: dict[int, nn.Parameter] = {}
+    for m in root.modules():
+        for name, p in m._parameters.items():
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in real:
+                new = nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                new._smp_full_shape = tuple(p.shape)
+                new._smp_creation_dtype = p.dtype
+                new._smp_delayed_init = True
+                real[id(p)] = new
+            m._parameters[name] = real[id(p)]
+    return list(real.values())
