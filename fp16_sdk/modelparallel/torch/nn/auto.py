@@ -32,6 +32,7 @@ from ..errors import SMPConfigError
 from .layers import DistributedModule
 from .mappings import TPContext, current_tp_context
 from .registry import Registration, registration_for
+from .state_dicts import shard_full_state_dict
 
 __all__ = [
     "distribute_tensor_parallel",
