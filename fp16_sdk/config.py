@@ -132,7 +132,7 @@ class SMPParameters(_Strict):
                              "with shard_optimizer_state.")
     # The sdp_* keys configure sharded data parallelism only; with degree 1, as in smp, they have
     # no effect (AWS's GPT-2 example passes sdp_gradient_clipping and sdp_hierarchical_allgather
-    # on every run). With degree > 1: sharded_data_parallel.py.
+    # on every run). With degree > 1: sharded_data_parallel/.
     sdp_reduce_bucket_size: int = Field(
         500_000_000, ge=1, description="Sharded DP: gradient bucket size in elements. With "
                                        "sharded_data_parallel_degree > 1 setting it is an error: "

@@ -117,7 +117,7 @@ def tensor_parallelism(enabled: bool = True, **tp_config):
 def delay_param_initialization(enabled: bool = True):
     """Parameters of modules created inside stay on the meta device until DistributedModel
     materialises this rank's stage, shard or chunks and initialises them as eager creation
-    would (delayed_init.py)."""
+    would (delayed_init/)."""
     from .delayed_init import meta_parameters
     with _push({"delay_param_initialization": bool(enabled)}), meta_parameters(bool(enabled)):
         yield

@@ -78,7 +78,7 @@ class DistributedOptimizer:
     With `shard_optimizer_state` the masters and the optimizer state are slices over the
     reduced data-parallel group (sharded_optimizer.py); the optimizer must be elementwise
     (SGD, Adam, AdamW, ...). With `sharded_data_parallel_degree` > 1 the masters are the
-    model's own fp32 shards (sharded_data_parallel.py).
+    model's own fp32 shards (sharded_data_parallel/).
 
     Args:
         optimizer: the torch optimizer built on the DistributedModel's parameters.
@@ -290,7 +290,7 @@ class DistributedOptimizer:
         """Unless clip_master_grads made them final: [the mode's own clip] -> prepare grads
         -> found-inf -> unscale. Returns whether the step overflowed (agreed on every rank)."""
         if not self._progress.unscaled and self._mode.auto_clip > 0:
-            self.clip_master_grads(self._mode.auto_clip)  # sdp (sharded_data_parallel.py)
+            self.clip_master_grads(self._mode.auto_clip)  # sdp (sharded_data_parallel/)
         if not self._progress.unscaled and not self._found_inf_and_norm(2.0).overflow:
             self._unscale(1.0 / self.loss_scale)
         return self._progress.overflow

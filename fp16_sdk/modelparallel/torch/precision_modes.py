@@ -310,7 +310,7 @@ class Sharded(Masters):
 
 
 class Sdp(Masters):
-    """`sharded_data_parallel_degree` > 1 (sharded_data_parallel.py): the masters are the
+    """`sharded_data_parallel_degree` > 1 (sharded_data_parallel/): the masters are the
     model's own fp32 FSDP2 chunks; step() clips at `sdp_gradient_clipping` unless the script
     clipped."""
 
