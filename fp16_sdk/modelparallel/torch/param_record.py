@@ -8,20 +8,22 @@ one accessor, written through one updater, and carried to a replacement tensor b
 (Megatron's `set_tensor_model_parallel_attributes` / `copy_tensor_model_parallel_attributes`).
 docs/internals.md lists each field with its writers and readers.
 
-Where the records live, and why:
-- a tensor's `ParamRecord` in a table keyed weakly by the tensor object (torch's
-  `WeakIdKeyDictionary`): the record is never pickled with a parameter (a checkpoint holds
-  tensors only, loaded weights-only with an allow-list), it stays with the object through
-  `p.data = ...`, `module.to()`/`_apply` and `torch.utils.swap_tensors`, and a new tensor (a
-  deepcopy, `nn.Parameter(t)`, `t.detach()`, FSDP2's DTensor parameter, a placeholder)
-  starts without one until `copy_param_record` carries it over. The record holds no
-  reference to a tensor or module, so the table keeps nothing alive.
-- a module's `ModuleRecord` in the module's own `__dict__` (one entry): its fields hold
-  callables bound to the module and plans holding the model, which a table would keep alive
-  forever; in the module they are a collectable cycle, and they follow the module through
-  `copy.deepcopy` as its attributes do. A module's state dict never includes them.
-- marks on wrapper functions (`FunctionMark`) in a weak table keyed by the function (a bound
-  method is looked up by its function, as attribute reads on a bound method are).
+Where the records live, and why: in one entry of the tensor's or module's `__dict__`
+(`_RECORD`), where the `_smp_*` attributes were, so a record goes wherever those went:
+- it stays with the object through `p.data = ...` and `module.to()`/`_apply`; it follows
+  `copy.deepcopy` of a module or of a plain tensor; `torch.utils.swap_tensors` (what `_apply`
+  does for DTensor parameters, e.g. `.to()` after FSDP2 sharding) swaps it away with the
+  `__dict__`, as it did the attributes. A weak table keyed by the tensor would hold a weakref
+  to it, and swap_tensors refuses a tensor that has one: that `.to()` would raise instead.
+- a new tensor object (`nn.Parameter(t)`, `t.detach()`, a Parameter's deepcopy, FSDP2's
+  DTensor parameters, delayed-init placeholders) starts without one until
+  `copy_param_record` carries it over.
+- checkpoints never hold one: state dicts and the fp32 masters are saved as detached tensors,
+  which have no `__dict__` entries (checkpoints are loaded weights-only with an allow-list).
+- a module's record holds callables bound to the module and plans holding the model: in the
+  module they are a collectable cycle; a table would keep the module alive.
+Marks on wrapper functions (`FunctionMark`) are in a weak table keyed by the function (a bound
+method is looked up by its function, as attribute reads on a bound method are).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["ParamRecord", "param_record", "update_param_record", "copy_param_record",
            "full_shape_of", "ModuleRecord", "module_record", "update_module_record",
@@ -77,13 +78,13 @@ class ParamRecord:
     via_half: torch.dtype | None = None
 
 
+_RECORD = "_smp_record"  # the one __dict__ entry of a tensor or module (module docstring)
 _NO_PARAM_RECORD = ParamRecord()
-_param_records: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def param_record(t: torch.Tensor) -> ParamRecord:
     """The record of `t`; the defaults when none was written (nothing is created)."""
-    return _param_records.get(t, _NO_PARAM_RECORD)
+    return t.__dict__.get(_RECORD, _NO_PARAM_RECORD)
 
 
 def update_param_record(t: torch.Tensor, **fields: Any) -> ParamRecord:
@@ -93,18 +94,18 @@ def update_param_record(t: torch.Tensor, **fields: Any) -> ParamRecord:
         TypeError: a name that is not a ParamRecord field.
     """
     record = dataclasses.replace(param_record(t), **fields)
-    _param_records[t] = record
+    t.__dict__[_RECORD] = record
     return record
 
 
 def copy_param_record(old: torch.Tensor, new: torch.Tensor) -> None:
     """`new` replaces `old` (a placeholder, a DTensor parameter, a cast copy): it gets the
     record of `old`, or none if `old` had none."""
-    record = _param_records.get(old)
+    record = old.__dict__.get(_RECORD)
     if record is None:
-        _param_records.pop(new, None)
+        new.__dict__.pop(_RECORD, None)
     else:
-        _param_records[new] = record
+        new.__dict__[_RECORD] = record  # frozen: sharing it is safe
 
 
 def full_shape_of(t: torch.Tensor) -> tuple[int, ...]:
@@ -132,7 +133,8 @@ class ModuleRecord:
             an nn.Sequential checkpointed in groups.
         group_inner: a checkpoint-group member's own computation (run by its group).
         group_list: the checkpoint groups of an nn.Sequential, once computed.
-        levels: a DistributedModel's smp v1 `.module` chain (module_levels.py).
+        levels: a DistributedModel's smp v1 `.module` chain (module_levels.py), as (the
+            wrapped module it was built for, its outermost level).
         delayed_rng: the RNG state the module's __init__ started from (delayed init).
         hf_init: (RNG state, `_init_weights`) of the transformers init of this module.
         delayed_plan: the delayed-initialization plan of a wrapped model's root.
@@ -147,19 +149,16 @@ class ModuleRecord:
     stage_inner: Callable | None = None
     checkpoint_groups: tuple[int | None, bool] | None = None
     group_inner: Callable | None = None
-    group_list: tuple[tuple[nn.Module, ...], ...] | None = None
-    levels: Any = None
+    group_list: list[list[nn.Module]] | None = None
+    levels: tuple[nn.Module, Any] | None = None
     delayed_rng: torch.Tensor | None = None
     hf_init: tuple[torch.Tensor, Callable] | None = None
     delayed_plan: Any = None
 
 
-_MODULE_RECORD = "_smp_record"  # the one entry in a module's __dict__ (module docstring)
-
-
 def module_record(module: nn.Module) -> ModuleRecord:
     """The record of `module`; the defaults when none was written (nothing is stored)."""
-    record = module.__dict__.get(_MODULE_RECORD)
+    record = module.__dict__.get(_RECORD)
     return record if record is not None else ModuleRecord()
 
 
@@ -171,7 +170,7 @@ def update_module_record(module: nn.Module, **fields: Any) -> ModuleRecord:
         TypeError: a name that is not a ModuleRecord field.
     """
     record = dataclasses.replace(module_record(module), **fields)
-    module.__dict__[_MODULE_RECORD] = record
+    module.__dict__[_RECORD] = record
     return record
 
 

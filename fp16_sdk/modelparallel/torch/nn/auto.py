@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import SMPConfigError, CheckpointError
+from ..param_record import module_record, param_record
 from .layers import DistributedModule
 from .mappings import TPContext, _all_gather, current_tp_context
 from .registry import Registration, registration_for
@@ -110,7 +111,7 @@ def _walk(parent, prefix, parent_opts, lookup, ctx, owners, root) -> None:
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
         opts = lookup(child) or parent_opts
-        if isinstance(child, DistributedModule) or getattr(child, "_smp_distributed_module", False):
+        if isinstance(child, DistributedModule) or module_record(child).distributed_module:
             continue  # an smp.nn module used directly, or a sharded HF block: distributed already
         if opts and opts.get("enabled"):
             replaced = _try_distribute(child, path, opts, ctx, owners, root)
@@ -163,8 +164,8 @@ def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
 def _constructor_args(module, reg: Registration, opts: dict):
     if reg.from_module is not None:
         args, kwargs = reg.from_module(module)
-    elif hasattr(module, "_smp_init_args"):
-        args, kwargs = module._smp_init_args
+    elif module_record(module).init_args is not None:
+        args, kwargs = module_record(module).init_args
         if reg.init_hook is not None:
             args, kwargs = reg.init_hook(*args, **kwargs)
     else:
@@ -209,17 +210,17 @@ def _attach_hooks(dist_module: nn.Module, reg: Registration) -> None:
 def distributed_modules(module: nn.Module) -> list[nn.Module]:
     """The outermost distributed modules inside module (what DistributedModel reports)."""
     return [m for m in module.modules()
-            if getattr(m, "_smp_distributed_module", False) and not getattr(m, "_smp_nested", False)]
+            if module_record(m).distributed_module and not module_record(m).nested]
 
 
 def is_distributed_parameter(param: torch.Tensor) -> bool:
     """True for a tensor-parallel shard."""
-    return bool(getattr(param, "_smp_distributed", False))
+    return param_record(param).distributed
 
 
 def is_scaled_batch_parameter(param: torch.Tensor) -> bool:
     """True for every parameter of a distributed module (it sees the TP group's batch)."""
-    return bool(getattr(param, "_smp_scaled_batch", False)) or is_distributed_parameter(param)
+    return param_record(param).scaled_batch or is_distributed_parameter(param)
 
 
 # ---- state dicts ---------------------------------------------------------------------------
@@ -245,9 +246,10 @@ def _split_entries(module: nn.Module) -> dict[str, tuple[int, TPContext, int]]:
     entries = {}
     for prefix, m in module.named_modules():
         if isinstance(m, DistributedModule) and m.tp.size > 1:
-            for name, dim in m._smp_split_dims.items():
+            record = module_record(m)
+            for name, dim in record.split_dims.items():
                 key = f"{prefix}.{name}" if prefix else name
-                entries[key] = (dim, m.tp, m._smp_split_parts.get(name, 1))
+                entries[key] = (dim, m.tp, record.split_parts.get(name, 1))
     return entries
 
 
@@ -281,7 +283,7 @@ def shard_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> O
     """Turn a full (unsplit) or local state dict into this rank's local one. No communication.
 
     A sharded tensor of full size is sliced to this rank's part; one of local size is kept as
-    it is, so either layout loads. The `_smp_is_partial` marker is dropped.
+    it is, so either layout loads. The `_smp_is_partial` marker (PARTIAL_KEY) is dropped.
 
     Raises:
         CheckpointError: a sharded key's tensor has neither the full nor the local shape.
