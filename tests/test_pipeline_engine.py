@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fp16_sdk.errors import ConfigError
+from fp16_sdk.modelparallel.torch.param_record import module_record, param_record
 from fp16_sdk.modelparallel.torch.pipeline.engine import PipelineEngine, PipelineSettings
 from fp16_sdk.modelparallel.torch.pipeline.partition import (auto_partition, balance,
                                                              manual_partition)
@@ -97,7 +98,7 @@ def _train_worker(rank, world, port, schedule, steps, lr, out):
         model.zero_grad(set_to_none=True)
         mb_args = [((i, t), {}) for i, t in zip(ids.chunk(MB), target.chunk(MB))]
         losses.append([float(x) for x in engine.run_step(body, mb_args)])
-        local = {n for n, m in model.named_modules() if m._smp_partition == rank}
+        local = {n for n, m in model.named_modules() if module_record(m).partition == rank}
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()
                       if p.grad is not None})
         with torch.no_grad():
@@ -105,8 +106,8 @@ def _train_worker(rank, world, port, schedule, steps, lr, out):
                 if p.grad is not None:
                     p -= lr * p.grad
     owned = {n: p.detach().clone() for n, p in model.named_parameters()
-             if model.get_submodule(n.rsplit(".", 1)[0])._smp_partition == rank}
-    tied = {n for n, p in model.named_parameters() if getattr(p, "_smp_tied_duplicate", False)}
+             if module_record(model.get_submodule(n.rsplit(".", 1)[0])).partition == rank}
+    tied = {n for n, p in model.named_parameters() if param_record(p).tied_duplicate}
     torch.save({"losses": losses, "grads": grads, "owned": owned, "tied": tied,
                 "blocks": engine.partition.block_stage, "local": local}, f"{out}/{rank}.pt")
     dist.destroy_process_group()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp16_sdk.modelparallel.torch.param_record import module_record
 from helpers.mp import run_ranks
 from helpers.pipeline_data import MB, loss_of, make_batch, tiny_gpt2
 
@@ -159,7 +160,7 @@ def _case(rank, world, kind, steps, lr, assignment):
         grads.append({n: p.grad.clone() for n, p in model.local_named_parameters()
                       if p.grad is not None})
         optimizer.step()
-    stages = {n: m._smp_partition for n, m in module.named_modules()}
+    stages = {n: module_record(m).partition for n, m in module.named_modules()}
     return {"losses": losses, "grads": grads, "stages": stages,
             "local": sorted(n for n, _ in model.local_named_parameters())}
 
@@ -345,7 +346,7 @@ def _case_tp(rank, world, kind, assignment, steps, lr, prescaled=True):
         optimizer.step()
     split = {n: type(m).__name__ for n, m in module.named_modules() if m in
              distributed_modules(module)}
-    stages = {n: m._smp_partition for n, m in module.named_modules()}
+    stages = {n: module_record(m).partition for n, m in module.named_modules()}
     return {"losses": losses, "grads": grads, "pp_rank": smp.pp_rank(), "split": split,
             "stages": stages, "shard": None if prescaled else smp.dp_rank()}
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fp16_sdk.modelparallel.torch.param_record import full_shape_of, param_record
 from helpers.lm_head import BATCH, LM, MB, lm_batch, reference_step, rows
 from helpers.mp import run_ranks
 from helpers.tiny_lm import VOCAB, TinyLM
@@ -32,15 +33,15 @@ def _local_full_grads(model):
     return gather_full_state_dict(model.module, local)
 
 
-def _block_bytes(module, stage_of_block):
+def _block_bytes(module, stage_of_block, stage):
     """(bytes this rank holds in the blocks, full bytes of its own blocks, full bytes of all)."""
     held = own = total = 0
     for i, block in enumerate(module.transformer.seq_layers):
         for p in block.parameters():
-            full = torch.Size(getattr(p, "_smp_full_shape", p.shape)).numel() * p.element_size()
+            full = torch.Size(full_shape_of(p)).numel() * p.element_size()
             held += p.numel() * p.element_size()
             total += full
-            own += full if stage_of_block[i] == module._smp_stage_here else 0
+            own += full if stage_of_block[i] == stage else 0
     return held, own, total
 
 
@@ -89,12 +90,12 @@ def _lm_case(rank, world, schedule, fp16, placement="cluster"):
         ref_opt.step()
         if step == 0:
             engine = model.pipeline
-            model.module._smp_stage_here = engine.stage
-            held, own, total = _block_bytes(model.module, engine.partition.block_stage)
+            held, own, total = _block_bytes(model.module, engine.partition.block_stage,
+                                            engine.stage)
             report = {"stage": engine.stage, "held": held, "own": own, "total": total,
                       "local_numel": sum(p.numel() for p in model.local_parameters()),
                       "tied_duplicate": [n for n, p in model.module.named_parameters()
-                                         if getattr(p, "_smp_tied_duplicate", False)]}
+                                         if param_record(p).tied_duplicate]}
     full = model.state_dict()
     weight_err = max((full[k].float() - v.float()).abs().max().item()
                      for k, v in ref.state_dict().items())

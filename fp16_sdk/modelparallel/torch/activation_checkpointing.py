@@ -17,7 +17,7 @@ checkpoint started by its first child, whose call computes the whole group; the 
 then hand that result on (an nn.Sequential feeds each child the previous one's output).
 
 Pipeline stages: the pipeline patches its blocks' `forward` (stage_forward.py) and keeps their
-own computation as `_smp_stage_inner`; checkpointing wraps that computation, so a block of
+own computation as its record's `stage_inner`; checkpointing wraps that computation, so a block of
 another stage is never recomputed here and a stage's last block still ends the stage.
 `pack_args_as_tuple` only mattered for smp's reentrant implementation: tuple arguments
 work as they are here.
@@ -39,6 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 from . import activation_offload as offload
 from .errors import SMPConfigError
+from .param_record import FunctionMark, function_marked, mark_function, module_record, \
+    update_module_record
 
 __all__ = ["STRATEGY_PATTERN", "apply_recorded", "apply_checkpointing", "check_strategy"]
 
@@ -94,32 +96,33 @@ def apply_checkpointing(module: nn.Module, *, preserve_rng_state: bool = True,
         for child in module:
             _checkpoint_module(child, preserve_rng_state)
         return
-    if getattr(module, "_smp_checkpoint_groups", None) is not None:
+    if module_record(module).checkpoint_groups is not None:
         return
     size = None if strategy == "contiguous" else int(strategy.split("_")[1])
-    module._smp_checkpoint_groups = (size, preserve_rng_state)
+    update_module_record(module, checkpoint_groups=(size, preserve_rng_state))
     for child in module:
         _set_inner(child, _group_member(child, module, _inner(child)))
 
 
 # ---- one module ---------------------------------------------------------------------------------
 
-def _slot(module: nn.Module) -> str:
-    """Where a module's own computation lives: under the pipeline's patch, else `forward`."""
-    return "_smp_stage_inner" if "_smp_stage_inner" in module.__dict__ else "forward"
-
-
 def _inner(module: nn.Module):
-    return getattr(module, _slot(module))
+    """A module's own computation: under the pipeline's patch its record's `stage_inner`,
+    else `forward`."""
+    inner = module_record(module).stage_inner
+    return inner if inner is not None else module.forward
 
 
 def _set_inner(module: nn.Module, fn) -> None:
-    object.__setattr__(module, _slot(module), fn)
+    if module_record(module).stage_inner is not None:
+        update_module_record(module, stage_inner=fn)
+    else:
+        object.__setattr__(module, "forward", fn)
 
 
 def _checkpoint_module(module: nn.Module, preserve_rng_state: bool) -> None:
     inner = _inner(module)
-    if getattr(inner, "_smp_checkpointed", False):
+    if function_marked(inner, FunctionMark.CHECKPOINTED):
         return
 
     def forward(*args, **kwargs):
@@ -129,7 +132,7 @@ def _checkpoint_module(module: nn.Module, preserve_rng_state: bool) -> None:
             return checkpoint(fn, *held, use_reentrant=False,
                               preserve_rng_state=preserve_rng_state, **kwargs)
 
-    forward._smp_checkpointed = True
+    mark_function(forward, FunctionMark.CHECKPOINTED)
     _set_inner(module, forward)
 
 
@@ -149,15 +152,15 @@ def _group_member(child: nn.Module, seq: nn.Sequential, own_inner):
             raise SMPConfigError(f"checkpoint group of {type(seq).__name__} entered at member "
                                  f"{type(child).__name__}, not at its first member: the "
                                  f"nn.Sequential's children must run in order",
-                                 key="strategy", value=seq._smp_checkpoint_groups[0])
+                                 key="strategy", value=module_record(seq).checkpoint_groups[0])
         _groups.active = (seq, group)
-        inners = [c._smp_group_inner for c in group]
+        inners = [module_record(c).group_inner for c in group]
         with offload.boundary(functools.partial(_run_group, inners), (x,)) as (fn, held):
             return checkpoint(fn, *held, use_reentrant=False,
-                              preserve_rng_state=seq._smp_checkpoint_groups[1])
+                              preserve_rng_state=module_record(seq).checkpoint_groups[1])
 
-    forward._smp_checkpointed = True
-    child._smp_group_inner = own_inner
+    mark_function(forward, FunctionMark.CHECKPOINTED)
+    update_module_record(child, group_inner=own_inner)
     return forward
 
 
@@ -168,10 +171,10 @@ def _run_group(inners, x):
 
 
 def _group_of(seq: nn.Sequential, child: nn.Module) -> list[nn.Module]:
-    groups = seq.__dict__.get("_smp_group_list")
+    groups = module_record(seq).group_list
     if groups is None:
         groups = _make_groups(seq)
-        seq._smp_group_list = groups
+        update_module_record(seq, group_list=groups)
     for group in groups:
         if any(c is child for c in group):
             if group[-1] is child:
@@ -182,7 +185,7 @@ def _group_of(seq: nn.Sequential, child: nn.Module) -> list[nn.Module]:
 
 def _make_groups(seq: nn.Sequential) -> list[list[nn.Module]]:
     """Runs of children on one pipeline stage, cut into pieces of the group size."""
-    size, _ = seq._smp_checkpoint_groups
+    size, _ = module_record(seq).checkpoint_groups
     stages = _stages(seq)
     children = list(seq)
     runs: list[list[nn.Module]] = []

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import delayed_init, replicas, sharded_data_parallel
 from .errors import SMPConfigError, SMPError, SMPUnsupportedError, StepError
+from .param_record import module_record, update_module_record
 from .model_state import StateDicts
 from .module_levels import ModuleLevel, build_levels
 from .model_views import LocalViews
@@ -165,11 +166,11 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         `.module.module` is the wrapped module; else the level whose `.module` is. Any other
         attribute of a level is the wrapped module's. `get_module()` gives the module itself."""
         wrapped = self._modules["module"]
-        levels = self.__dict__.get("_smp_levels")
+        levels = module_record(self).levels
         if levels is None or levels[0] is not wrapped:
             forward = self._forward_module
             levels = (wrapped, build_levels(wrapped, forward, half=forward is not wrapped))
-            self.__dict__["_smp_levels"] = levels
+            update_module_record(self, levels=levels)
         return levels[1]
 
     @property

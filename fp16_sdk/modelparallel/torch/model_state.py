@@ -4,10 +4,10 @@ holds the model's state-dict methods built on it.
 Seams:
 - TP shards (smp.nn, nn/auto.py): `gather_full_state_dict` all-gathers them over the TP group,
   `shard_full_state_dict` slices full tensors (and keeps local-shaped ones) for loading.
-- with pp > 1, a module's stage is its `_smp_partition` (set by the partitioner; a module
-  without it takes its parent's); a parameter or buffer is local when its owning module's
-  stage is this rank's pp_rank, or when it is a tied weight held by this stage
-  (`_smp_held_stages`, pipeline/stage_params.py; e.g. the word embedding on the last stage).
+- with pp > 1, a module's stage is its record's `partition` (param_record.py, set by the
+  partitioner; a module without one takes its parent's); a parameter or buffer is local when
+  its owning module's stage is this rank's pp_rank, or when it is a tied weight held by this
+  stage (`held_stages`, pipeline/stage_params.py; e.g. the word embedding on the last stage).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 
 from . import sharded_data_parallel
 from .errors import SMPError
+from .param_record import module_record, param_record
 from .state import state
 
 __all__ = ["named_modules_with_stage", "local_named_modules", "local_named_tensors",
@@ -32,7 +33,9 @@ PARTIAL_KEY = "_smp_is_partial"
 def named_modules_with_stage(root: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:
     """(name, module, stage) for every module; stage None when nothing assigned one."""
     def walk(prefix: str, module: nn.Module, inherited):
-        stage = getattr(module, "_smp_partition", inherited)
+        stage = module_record(module).partition
+        if stage is None:
+            stage = inherited
         yield prefix, module, stage
         for name, child in module.named_children():
             yield from walk(f"{prefix}.{name}" if prefix else name, child, stage)
@@ -45,7 +48,7 @@ def _is_local(stage) -> bool:
 
 
 def _held_here(tensor) -> bool:
-    return state.topology.pp_rank(state.rank) in getattr(tensor, "_smp_held_stages", ())
+    return state.topology.pp_rank(state.rank) in param_record(tensor).held_stages
 
 
 def local_named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:

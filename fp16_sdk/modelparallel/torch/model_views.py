@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from . import model_state
+from .param_record import param_record
 from .replicas import is_scaled_batch
 
 __all__ = ["LocalViews"]
@@ -50,11 +51,11 @@ class LocalViews:
         return iter(distributed_modules(self.get_module()))
 
     def is_distributed_parameter(self, param) -> bool:
-        """A tensor-parallel shard (`_smp_distributed`)."""
-        return bool(getattr(param, "_smp_distributed", False))
+        """A tensor-parallel shard (its record's `distributed`)."""
+        return param_record(param).distributed
 
     def is_distributed_buffer(self, buf) -> bool:
-        return bool(getattr(buf, "_smp_distributed", False))
+        return param_record(buf).distributed
 
     def is_scaled_batch_parameter(self, param) -> bool:
         """Sees the whole TP group's batch: reduced over RDP (shards and the replicated

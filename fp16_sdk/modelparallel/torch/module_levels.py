@@ -18,6 +18,7 @@ parameter names and state-dict keys are unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.nn as nn
@@ -25,39 +26,45 @@ import torch.nn as nn
 __all__ = ["ModuleLevel", "build_levels"]
 
 
+@dataclass(frozen=True)
+class _Parts:
+    inner: Any  # the next level down
+    model: nn.Module  # the user's model: every other attribute reads and writes it
+    call: Callable  # what calling this level runs
+    name: str  # smp v1's class name for the level, in repr
+
+
 class ModuleLevel:
     """One level above the user's model (see the module docstring)."""
 
-    __slots__ = ("_smp_inner", "_smp_model", "_smp_call", "_smp_name")
+    # One name-mangled slot: an attribute of the user's model never collides with it.
+    __slots__ = ("__parts",)
 
     def __init__(self, *, inner: Any, model: nn.Module, call: Callable, name: str):
-        object.__setattr__(self, "_smp_inner", inner)
-        object.__setattr__(self, "_smp_model", model)
-        object.__setattr__(self, "_smp_call", call)
-        object.__setattr__(self, "_smp_name", name)
+        object.__setattr__(self, "_ModuleLevel__parts", _Parts(inner, model, call, name))
 
     @property
     def module(self) -> Any:
         """The next level down (the user's model below the innermost level)."""
-        return self._smp_inner
+        return self.__parts.inner
 
     def __call__(self, *args, **kwargs):
-        return self._smp_call(*args, **kwargs)
+        return self.__parts.call(*args, **kwargs)
 
     def __getattr__(self, name: str):
-        return getattr(object.__getattribute__(self, "_smp_model"), name)
+        return getattr(object.__getattribute__(self, "_ModuleLevel__parts").model, name)
 
     def __setattr__(self, name: str, value) -> None:
-        setattr(self._smp_model, name, value)
+        setattr(self.__parts.model, name, value)
 
     def __delattr__(self, name: str) -> None:
-        delattr(self._smp_model, name)
+        delattr(self.__parts.model, name)
 
     def __dir__(self):
-        return sorted(set(dir(self._smp_model)) | {"module"})
+        return sorted(set(dir(self.__parts.model)) | {"module"})
 
     def __repr__(self) -> str:
-        return f"{self._smp_name}(module={type(self._smp_inner).__name__})"
+        return f"{self.__parts.name}(module={type(self.__parts.inner).__name__})"
 
 
 def build_levels(model: nn.Module, forward_module: Callable, *, half: bool) -> ModuleLevel:

@@ -33,6 +33,7 @@ from .errors import CheckpointError
 from .fp16.fused_step import FusedStepper, fused_kind
 from .fp16.master_params import MasterParams
 from .memory_report import optimizer_line
+from .param_record import param_record
 from .sharded_optimizer import ShardedMasters, check_layout, reshard_state
 from .state import state
 
@@ -43,9 +44,10 @@ __all__ = ["PrecisionMode", "FullPrecision", "Unpartitioned", "Masters", "FusedH
 def counts_in_norm(p) -> bool:
     """Whether a parameter's gradient counts in the global norm on this rank: a TP shard on
     every rank, a TP-replicated parameter on tp_rank 0 only, a tied pipeline duplicate never."""
-    if getattr(p, "_smp_tied_duplicate", False):  # per-tensor markers (internals.md), not config
+    record = param_record(p)  # per-tensor facts (param_record.py), not config
+    if record.tied_duplicate:
         return False
-    if getattr(p, "_smp_distributed", False):
+    if record.distributed:
         return True
     topo = state.topology
     return topo is None or topo.tp_rank(state.rank) == 0

@@ -19,7 +19,7 @@ where loss_mb is a mean over the microbatch's samples. So
   saw makes it d(mean loss of the global batch):
   * prescaled_batch=False: every dp rank (tp*rdp of them) reads its own batch. A replicated
     parameter's local gradient comes from the local batch only: sum over DP, divide by
-    dp_size = tp*rdp. A TP-distributed parameter (`_smp_distributed`) sees the batches of its
+    dp_size = tp*rdp. A TP-distributed parameter (record `distributed`) sees the batches of its
     whole TP group (smp.nn layers gather them), so its local gradient is already the sum of
     tp batches' gradients: sum over RDP (rdp members) gives tp*rdp batches: divide by dp_size.
   * prescaled_batch=True: the ranks of one TP group read the same batch (data sharded by

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from .param_record import param_record
 from .reducer import GradReducer, ReductionGroup
 from .state import state
 
@@ -23,7 +24,8 @@ __all__ = ["is_scaled_batch", "broadcast_replicas", "build_reducer", "release"]
 def is_scaled_batch(t) -> bool:
     """Reduced/broadcast over RDP: TP shards and other parameters of distributed modules
     (they see the TP group's batch, identical on its ranks); everything else over DP."""
-    return bool(getattr(t, "_smp_distributed", False) or getattr(t, "_smp_scaled_batch", False))
+    record = param_record(t)
+    return record.distributed or record.scaled_batch
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import SMPConfigError
+from ..param_record import module_record, update_module_record
 from ..state import state
 from .hf_init import unrecorded_hf_inits
 from .materialise import init_fn
@@ -36,7 +37,7 @@ def check_inits(root: nn.Module) -> None:
     for m in root.modules():
         if not any(p is not None and p.is_meta for p in m._parameters.values()):
             continue
-        if init_fn(m) is None and not hf and "_smp_hf_init" not in m.__dict__:
+        if init_fn(m) is None and not hf and module_record(m).hf_init is None:
             raise SMPConfigError(
                 f"delayed parameter initialization: {type(m).__name__} has parameters but no "
                 f"reset_parameters(), so its initial values cannot be recreated; add a "
@@ -50,10 +51,13 @@ def agree_rng_snapshots(root: nn.Module) -> None:
     weights: over DP at wrap, over the pipeline at the first step)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    holders = [(m, k) for m in root.modules() for k in ("_smp_delayed_rng", "_smp_hf_init")
-               if k in m.__dict__]
-    snapshots = [m.__dict__["_smp_delayed_rng"] if k == "_smp_delayed_rng"
-                 else m.__dict__[k][0] for m, k in holders]
+    holders = [(m, k) for m in root.modules() for k in ("delayed_rng", "hf_init")
+               if getattr(module_record(m), k) is not None]
+    snapshots = [module_record(m).delayed_rng if k == "delayed_rng"
+                 else module_record(m).hf_init[0] for m, k in holders]
     dist.broadcast_object_list(snapshots, src=0)
     for (m, k), snap in zip(holders, snapshots):
-        m.__dict__[k] = snap if k == "_smp_delayed_rng" else (snap, m.__dict__[k][1])
+        if k == "delayed_rng":
+            update_module_record(m, delayed_rng=snap)
+        else:
+            update_module_record(m, hf_init=(snap, module_record(m).hf_init[1]))

@@ -14,6 +14,7 @@ import sys
 
 from torch import nn
 
+from ..param_record import FunctionMark, function_marked
 from .hf_init import HOOK_WRAPPERS, hf_hooks
 from .meta import flush, meta_register, original_register
 
@@ -27,7 +28,8 @@ def meta_parameters(enabled: bool = True):
     transformers = sys.modules.get("transformers")
     hf = transformers.PreTrainedModel if transformers is not None else None
     saved = hf_hooks(hf)
-    if enabled and saved and not getattr(saved["post_init"], "_smp_delayed", False):
+    if enabled and saved and not function_marked(saved["post_init"],
+                                                  FunctionMark.DELAYED_INIT_HOOK):
         for name, method in saved.items():
             setattr(hf, name, HOOK_WRAPPERS[name](method))
     flush()  # the last module of an enclosing context is done: its parameters go to meta

@@ -2,7 +2,8 @@
 
 A transformers `post_init()` runs on meta parameters with its random fills drawn on scratch
 tensors (`_RandomOnMeta`), so the RNG advances as in eager creation, and each module records
-the RNG state and the `_init_weights` of the post_init that initialised it (`_smp_hf_init`),
+the RNG state and the `_init_weights` of the post_init that initialised it (its record's
+`hf_init`),
 replayed when it is materialised (materialise.py). creation.py installs these wrappers on
 `PreTrainedModel` while a delayed creation context is open (`hf_hooks`, `HOOK_WRAPPERS`).
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..param_record import FunctionMark, mark_function, module_record, update_module_record
 from .meta import flush
 from .placeholders import has_meta
 
@@ -51,17 +53,17 @@ def _hf_post_init_wrapper(original):
         flush()
         with _RandomOnMeta():  # nested models' post_init advance the RNG as in eager creation
             return original(self)
-    post_init._smp_delayed = True
+    mark_function(post_init, FunctionMark.DELAYED_INIT_HOOK)
     return post_init
 
 
 def _hf_initialize_wrapper(original):
     def _initialize_weights(self, module):
         if not getattr(module, "_is_hf_initialized", False) and \
-                "_smp_hf_init" not in module.__dict__:  # HF's init of `module` starts here
-            module.__dict__["_smp_hf_init"] = (torch.get_rng_state(), self._init_weights)
+                module_record(module).hf_init is None:  # HF's init of `module` starts here
+            update_module_record(module, hf_init=(torch.get_rng_state(), self._init_weights))
         return original(self, module)
-    _initialize_weights._smp_delayed = True
+    mark_function(_initialize_weights, FunctionMark.DELAYED_INIT_HOOK)
     return _initialize_weights
 
 
@@ -76,20 +78,21 @@ def _hf_init_weights_wrapper(original):
         inner = self._init_weights
 
         def recording(module):
-            module.__dict__["_smp_hf_init"] = (torch.get_rng_state(), inner)
+            update_module_record(module, hf_init=(torch.get_rng_state(), inner))
             return inner(module)
         self.__dict__["_init_weights"] = recording
         try:
             return original(self)
         finally:
             del self.__dict__["_init_weights"]
-    init_weights._smp_delayed = True
+    mark_function(init_weights, FunctionMark.DELAYED_INIT_HOOK)
     return init_weights
 
 
 def hf_hooks(hf) -> dict:
     """The PreTrainedModel methods delayed creation wraps, as this transformers has them:
-    post_init and the per-module init (`_initialize_weights` where it exists, as in 4.28, else `init_weights`).
+    post_init and the per-module init (`_initialize_weights` where it exists, as in 4.28, else
+    `init_weights`).
     A version without post_init (< 4.16) gets no hooks: its models record no init and are
     initialised at materialisation by their own `_init_weights` (`unrecorded_hf_inits`)."""
     if hf is None or "post_init" not in hf.__dict__:
@@ -123,13 +126,13 @@ def unrecorded_hf_inits(root: nn.Module) -> list[str]:
         return []
     names = []
     for model in [m for m in root.modules() if isinstance(m, transformers.PreTrainedModel)
-                  and "_smp_hf_init" not in m.__dict__ and has_meta(m)]:
-        if "_smp_hf_init" in model.__dict__:  # nested in one handled above (GPT2Model)
+                  and module_record(m).hf_init is None and has_meta(m)]:
+        if module_record(model).hf_init is not None:  # nested in one handled above (GPT2Model)
             continue
         names.append(type(model).__name__)
         for index, m in enumerate(model.modules()):
-            if "_smp_hf_init" not in m.__dict__:
+            if module_record(m).hf_init is None:
                 generator = torch.Generator().manual_seed(
                     (torch.initial_seed() + 1_000_003 * (index + 1)) % (2 ** 63))
-                m.__dict__["_smp_hf_init"] = (generator.get_state(), model._init_weights)
+                update_module_record(m, hf_init=(generator.get_state(), model._init_weights))
     return names

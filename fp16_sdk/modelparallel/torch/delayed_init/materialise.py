@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import SMPConfigError
+from ..param_record import module_record, param_record
 from ..state import state
 from .placeholders import full_numel, is_delayed, pending_placeholder
 
@@ -77,8 +78,9 @@ class DelayedPlan:
             return 0
         targets = {}
         for p in todo:  # the dtype the parameter has now; init runs in its creation dtype
-            targets[id(p)] = (p.dtype, p.__dict__.get("_smp_via_half"))
-            p.data = torch.empty(p._smp_full_shape, dtype=p._smp_creation_dtype)
+            record = param_record(p)
+            targets[id(p)] = (p.dtype, record.via_half)
+            p.data = torch.empty(record.full_shape, dtype=record.creation_dtype)
             if p.is_floating_point():
                 p.data.fill_(float("nan"))  # an init that misses it is caught below
         live = {id(p) for p in todo}
@@ -118,15 +120,17 @@ class DelayedPlan:
             for p in m._parameters.values():
                 if p is not None and id(p) in live:
                     owners.add(id(m))
-                    owners.add(p.__dict__.get("_smp_owner", id(m)))
+                    owner = param_record(p).owner
+                    owners.add(owner if owner is not None else id(m))
         for m in self.modules:  # reset_parameters, each from its own snapshot
             init = init_fn(m)
-            if id(m) in owners and init is not None and "_smp_delayed_rng" in m.__dict__:
-                torch.set_rng_state(m.__dict__["_smp_delayed_rng"])
+            rng = module_record(m).delayed_rng
+            if id(m) in owners and init is not None and rng is not None:
+                torch.set_rng_state(rng)
                 with _own_params_only(m, live):
                     init()
         for m in _post_order(self.root):  # transformers' _init_weights, children first
-            record = m.__dict__.get("_smp_hf_init")
+            record = module_record(m).hf_init
             if record is None:
                 continue
             if id(m) not in owners and not any(id(p) in live for p in m.parameters()):
@@ -151,7 +155,7 @@ class DelayedPlan:
             if isinstance(p, DTensor):  # sharded by sharded data parallelism
                 t = p.to_local()
                 local += t.numel() * t.element_size()
-            elif is_delayed(p) or getattr(p, "_smp_distributed", False):
+            elif is_delayed(p) or param_record(p).distributed:
                 local += p.numel() * p.element_size()
         self.report["local_bytes"] = local
         self.report["layout"] = layout
@@ -168,14 +172,16 @@ def _own_params_only(module: nn.Module, live: set[int]):
     for name, p in module._parameters.items():
         if p is None:
             continue
-        own = p.__dict__.get("_smp_owner", id(module)) == id(module)
+        owner = param_record(p).owner
+        own = owner is None or owner == id(module)
         if id(p) in live and own:
             continue
         if id(p) in live or pending_placeholder(p) or is_delayed(p):
             borrowed[name] = p
     for name, p in borrowed.items():
-        shape = p._smp_full_shape if "_smp_full_shape" in p.__dict__ else p.shape
-        dtype = p.__dict__.get("_smp_creation_dtype", p.dtype)
+        record = param_record(p)
+        shape = record.full_shape if record.full_shape is not None else p.shape
+        dtype = record.creation_dtype if record.creation_dtype is not None else p.dtype
         module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dtype))
     try:
         yield
@@ -185,4 +191,4 @@ def _own_params_only(module: nn.Module, live: set[int]):
 
 def plan_of(module: nn.Module) -> DelayedPlan | None:
     """The DelayedPlan of a wrapped model (or of the model TP replaced it with), else None."""
-    return module.__dict__.get("_smp_delayed")
+    return module_record(module).delayed_plan

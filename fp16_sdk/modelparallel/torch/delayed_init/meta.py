@@ -4,15 +4,18 @@ While a creation context is open (creation.py), a parameter a module registers s
 while that module's own __init__ can still initialise it, and goes to the meta device as soon
 as another module registers one; so one module's parameters exist at a time, and the RNG
 advances exactly as in eager creation. Each module keeps the RNG state its __init__ started
-from (`_smp_delayed_rng`, ~5 KB), replayed when it is materialised (materialise.py). An smp.nn
-distributed layer at tensor_parallel_degree > 1 keeps its parameters: its __init__ already
-initialises each weight in full and keeps only this rank's slice.
+from (its record's `delayed_rng`, ~5 KB), replayed when it is materialised (materialise.py).
+An smp.nn distributed layer at tensor_parallel_degree > 1 keeps its parameters: its __init__
+already initialises each weight in full and keeps only this rank's slice.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..param_record import (module_record, param_record, update_module_record,
+                            update_param_record)
 
 __all__ = ["original_register", "meta_register", "flush"]
 
@@ -42,7 +45,7 @@ def flush(keep: nn.Module | None = None) -> None:
 def _keeps_shard(module: nn.Module) -> bool:
     """An smp.nn distributed layer at tp > 1: its __init__ keeps this rank's slice only."""
     tp = getattr(module, "tp", None)
-    return bool(module.__dict__.get("_smp_distributed_module")) and getattr(tp, "size", 1) > 1
+    return module_record(module).distributed_module and getattr(tp, "size", 1) > 1
 
 
 def meta_register(self, name, param):
@@ -55,10 +58,10 @@ def meta_register(self, name, param):
         original_register(self, name, param)
         return
     flush(keep=self)
-    if "_smp_delayed_rng" not in self.__dict__:
-        self.__dict__["_smp_delayed_rng"] = torch.get_rng_state()  # replayed by realise
-    if param is not None and "_smp_owner" not in param.__dict__:
-        param._smp_owner = id(self)  # a tied parameter keeps its first module's init
+    if module_record(self).delayed_rng is None:
+        update_module_record(self, delayed_rng=torch.get_rng_state())  # replayed by realise
+    if param is not None and param_record(param).owner is None:
+        update_param_record(param, owner=id(self))  # a tied parameter keeps its first module's init
     original_register(self, name, param)
     if param is not None:
         _pending.append((self, name))

@@ -1,11 +1,11 @@
 """Per-rank placeholder shares: what a delayed parameter is between wrap and materialisation.
 
 At DistributedModel wrap every meta parameter becomes a 0-element placeholder of the same
-dtype (`replace_meta`: full shape in `_smp_full_shape`, creation dtype in
-`_smp_creation_dtype`, `_smp_delayed_init = True`), the same Parameter object wherever it is
-registered, so tied weights stay tied and an optimizer built later sees the final objects.
+dtype (`replace_meta`: its record's `full_shape`, `creation_dtype` and `delayed`), the same
+Parameter object wherever it is registered, so tied weights stay tied and an optimizer built
+later sees the final objects.
 Materialisation (materialise.py) allocates and initialises the placeholders of this rank's
-share. A TP slice of a realised weight is marked `_smp_agreed` (equal on every rank, like a
+share. A TP slice of a realised weight is recorded `agreed` (equal on every rank, like a
 realised parameter): the wrap-time broadcasts skip both (`is_agreed`).
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..param_record import param_record, update_param_record
 
 __all__ = ["has_meta", "is_delayed", "is_agreed", "pending_placeholder", "full_numel",
            "replace_meta"]
@@ -24,24 +26,26 @@ def has_meta(module: nn.Module) -> bool:
 
 def is_delayed(t) -> bool:
     """A parameter created by delayed initialization (agreed across ranks: not broadcast)."""
-    return bool(getattr(t, "_smp_delayed_init", False))
+    return param_record(t).delayed
 
 
 def is_agreed(t) -> bool:
     """Equal on every rank by construction: delayed, or a TP slice of a delayed weight."""
-    return is_delayed(t) or bool(getattr(t, "_smp_agreed", False))
+    return is_delayed(t) or param_record(t).agreed
 
 
 def pending_placeholder(p) -> bool:
-    return p.numel() == 0 and "_smp_full_shape" in p.__dict__ and is_delayed(p) \
-        and p._smp_full_shape != (0,)
+    record = param_record(p)
+    return p.numel() == 0 and record.full_shape is not None and record.delayed \
+        and record.full_shape != (0,)
 
 
 def full_numel(p) -> int:
     """Elements of `p` as created (a placeholder counts its full shape)."""
-    if p.numel() == 0 and "_smp_full_shape" in p.__dict__:
+    shape = param_record(p).full_shape
+    if p.numel() == 0 and shape is not None:
         n = 1
-        for d in p._smp_full_shape:
+        for d in shape:
             n *= d
         return n
     return p.numel()
@@ -58,9 +62,8 @@ def replace_meta(root: nn.Module) -> list[nn.Parameter]:
             if id(p) not in real:
                 new = nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
                 new.__dict__.update(p.__dict__)
-                new._smp_full_shape = tuple(p.shape)
-                new._smp_creation_dtype = p.dtype
-                new._smp_delayed_init = True
+                update_param_record(new, full_shape=tuple(p.shape), creation_dtype=p.dtype,
+                                    delayed=True)
                 real[id(p)] = new
             m._parameters[name] = real[id(p)]
     return list(real.values())

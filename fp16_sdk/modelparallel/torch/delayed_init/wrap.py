@@ -27,6 +27,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..errors import SMPConfigError
+from ..param_record import update_module_record, update_param_record
 from ..state import state
 from .agreement import agree_rng_snapshots, check_inits
 from .materialise import DelayedPlan
@@ -67,7 +68,7 @@ def begin(root: nn.Module, *, decide_partition: Callable[[nn.Module], Any]) -> D
     agree_rng_snapshots(root)
     plan = DelayedPlan(root, replace_meta(root))
     plan.partition = part
-    root.__dict__["_smp_delayed"] = plan
+    update_module_record(root, delayed_plan=plan)
     _active = plan
     return plan
 
@@ -80,14 +81,14 @@ def realise_module(module: nn.Module) -> None:
 
 def release_module(module: nn.Module, replacement: nn.Module) -> None:
     """TP distribution: the whole tensors of `module`, now sliced into `replacement`, whose
-    parameters are then equal on every rank by construction (`_smp_agreed`: the wrap-time
+    parameters are then equal on every rank by construction (recorded `agreed`: the wrap-time
     broadcast skips them, as it skips realised ones, so no flat copy of them is made)."""
     if _active is None:
         return
     params = list(module.parameters())
     if params and all(is_delayed(p) for p in params):
         for p in replacement.parameters():
-            p._smp_agreed = True
+            update_param_record(p, agreed=True)
     _active.release(params)
 
 
@@ -112,7 +113,7 @@ def after_tensor_parallel(plan: DelayedPlan | None, module: nn.Module, *, sharde
     if plan is None:
         return None
     if module is not plan.root:  # TP replaced the root itself
-        module.__dict__["_smp_delayed"] = plan
+        update_module_record(module, delayed_plan=plan)
     plan.root, plan.modules = module, list(module.modules())
     plan.params = [p for p in module.parameters() if is_delayed(p)]
     if sharded:

@@ -33,12 +33,12 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError
+from ..param_record import param_record, update_param_record
 
 __all__ = ["FlatBucket", "MasterParams", "HALF_DTYPES", "power_sum", "foreach_power_sum"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _ALIGN = 64  # elements: 128 B for fp16, 256 B for fp32
-_COPIED_ATTRS = ("_smp_distributed", "_smp_tied_duplicate")
 
 
 def _padded(n: int) -> int:
@@ -82,9 +82,10 @@ class FlatBucket:
                 self.half[off:off + n].copy_(p.data.reshape(-1))
                 p.data = self.half[off:off + n].view_as(p)
                 master = self.master[off:off + n].view_as(p)
-                for attr in _COPIED_ATTRS:
-                    if getattr(p, attr, False):
-                        setattr(master, attr, True)
+                record = param_record(p)  # the master stands in for p: counts_in_norm reads it
+                if record.distributed or record.tied_duplicate:
+                    update_param_record(master, distributed=record.distributed,
+                                        tied_duplicate=record.tied_duplicate)
                 self.masters.append(master)
             self.master.copy_(self.half)
         if flat_grads or master_grads:

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SMPConfigError
+from ..param_record import module_record, param_record
 from .layers import DistributedModule
 from .mappings import TPContext, current_tp_context
 from .registry import Registration, registration_for
@@ -105,7 +106,7 @@ def _walk(parent, prefix, parent_opts, lookup, ctx, owners, root) -> None:
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
         opts = lookup(child) or parent_opts
-        if isinstance(child, DistributedModule) or getattr(child, "_smp_distributed_module", False):
+        if isinstance(child, DistributedModule) or module_record(child).distributed_module:
             continue  # an smp.nn module used directly, or a sharded HF block: distributed already
         if opts and opts.get("enabled"):
             replaced = _try_distribute(child, path, opts, ctx, owners, root)
@@ -158,8 +159,8 @@ def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
 def _constructor_args(module, reg: Registration, opts: dict):
     if reg.from_module is not None:
         args, kwargs = reg.from_module(module)
-    elif hasattr(module, "_smp_init_args"):
-        args, kwargs = module._smp_init_args
+    elif module_record(module).init_args is not None:
+        args, kwargs = module_record(module).init_args
         if reg.init_hook is not None:
             args, kwargs = reg.init_hook(*args, **kwargs)
     else:
@@ -204,14 +205,14 @@ def _attach_hooks(dist_module: nn.Module, reg: Registration) -> None:
 def distributed_modules(module: nn.Module) -> list[nn.Module]:
     """The outermost distributed modules inside module (what DistributedModel reports)."""
     return [m for m in module.modules()
-            if getattr(m, "_smp_distributed_module", False) and not getattr(m, "_smp_nested", False)]
+            if module_record(m).distributed_module and not module_record(m).nested]
 
 
 def is_distributed_parameter(param: torch.Tensor) -> bool:
     """True for a tensor-parallel shard."""
-    return bool(getattr(param, "_smp_distributed", False))
+    return param_record(param).distributed
 
 
 def is_scaled_batch_parameter(param: torch.Tensor) -> bool:
     """True for every parameter of a distributed module (it sees the TP group's batch)."""
-    return bool(getattr(param, "_smp_scaled_batch", False)) or is_distributed_parameter(param)
+    return param_record(param).scaled_batch or is_distributed_parameter(param)

@@ -4,12 +4,12 @@ Sizes are global (what the unsplit module would have). A parameter split across 
 is created whole, initialised with the same RNG calls as the plain torch module, and then
 sliced, so a model built with the same seed at tp = 1 and tp > 1 holds the same numbers.
 
-Parameter attributes set here (docs/internals.md):
-- `_smp_distributed = True` on every shard (reduced over RDP, counted on every TP rank in norms);
-- `_smp_scaled_batch = True` on every parameter of a distributed module, shards and replicated
-  ones alike: they see the TP group's gathered batch, so they are reduced over RDP too.
-A module records `_smp_split_dims` {parameter name: split dim} for state-dict gather/shard, and
-`_smp_split_parts` {parameter name: parts} for fused projections (q|k|v side by side along the
+Records written here (param_record.py, docs/internals.md):
+- `distributed` on every shard (reduced over RDP, counted on every TP rank in norms);
+- `scaled_batch` on every parameter of a distributed module, shards and replicated ones
+  alike: they see the TP group's gathered batch, so they are reduced over RDP too.
+A module's record holds `split_dims` {parameter name: split dim} for state-dict gather/shard,
+and `split_parts` {parameter name: parts} for fused projections (q|k|v side by side along the
 split dim: each part is split on its own, see state_dicts.py `shard_tensor`).
 """
 
@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import SMPConfigError
+from ..param_record import module_record, update_module_record, update_param_record
 from .mappings import (
     TPContext,
     column_parallel_linear,
@@ -80,14 +81,12 @@ class DistributedModule(nn.Module):
     def __init__(self, *, tp_context: TPContext | None = None):
         super().__init__()
         self.tp = tp_context if tp_context is not None else current_tp_context()
-        self._smp_distributed_module = True
-        self._smp_nested = False  # set by an enclosing distributed module
-        self._smp_split_dims: dict[str, int] = {}
-        self._smp_split_parts: dict[str, int] = {}
+        update_module_record(self, distributed_module=True)  # nested: set by an enclosing one
 
     # -- batch semantics (prescaled_batch=False) --
     def _gathers_batch(self) -> bool:
-        return self.tp.group is not None and not self.tp.prescaled_batch and not self._smp_nested
+        return self.tp.group is not None and not self.tp.prescaled_batch \
+            and not module_record(self).nested
 
     def _enter(self, obj: Any) -> Any:
         """Gather the TP group's micro-batches (outermost module, prescaled_batch False)."""
@@ -114,9 +113,10 @@ class DistributedModule(nn.Module):
         dtype = self._dtype() or full.dtype
         param = nn.Parameter(full.detach().to(dtype).contiguous().clone())
         if split_dim is not None:
-            self._smp_split_dims[name] = split_dim
+            dims = module_record(self).split_dims
+            update_module_record(self, split_dims={**dims, name: split_dim})
             if self.tp.size > 1:
-                param._smp_distributed = True
+                update_param_record(param, distributed=True)
         self.register_parameter(name, param)
         return param
 
@@ -124,9 +124,9 @@ class DistributedModule(nn.Module):
         """Call at the end of __init__: mark nested modules and every parameter."""
         for module in self.modules():
             if module is not self and isinstance(module, DistributedModule):
-                module._smp_nested = True
+                update_module_record(module, nested=True)
         for param in self.parameters():
-            param._smp_scaled_batch = True
+            update_param_record(param, scaled_batch=True)
         if self._dtype() is not None:  # fp16_params: layernorms etc. follow the shards
             self.to(self._dtype())
 

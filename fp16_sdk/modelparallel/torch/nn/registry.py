@@ -2,7 +2,7 @@
 
 `smp.tp_register` / `smp.tp_register_with_module` add user classes; torch.nn.Linear and
 torch.nn.Embedding are built in. A registered class' `__init__` is wrapped so every instance
-remembers its constructor arguments (`_smp_init_args`): the `init_hook` translates exactly
+remembers its constructor arguments (its record's `init_args`): the `init_hook` translates exactly
 those into the distributed module's arguments at wrap time.
 """
 
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.nn as nn
+
+from ..param_record import FunctionMark, function_marked, mark_function, module_record, \
+    update_module_record
 
 __all__ = ["Registration", "tp_register", "tp_register_with_module", "registration_for"]
 
@@ -43,17 +46,17 @@ _REGISTRY: dict[type, Registration] = {}
 
 def _record_init_args(cls: type) -> None:
     """Wrap cls.__init__ so instances keep (args, kwargs) of their construction."""
-    if getattr(cls.__init__, "_smp_records_args", False):
+    if function_marked(cls.__init__, FunctionMark.RECORDS_INIT_ARGS):
         return
     original = cls.__init__
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        if type(self) is cls and not hasattr(self, "_smp_init_args"):
-            object.__setattr__(self, "_smp_init_args", (args, kwargs))
+        if type(self) is cls and module_record(self).init_args is None:
+            update_module_record(self, init_args=(args, kwargs))
         original(self, *args, **kwargs)
 
-    __init__._smp_records_args = True
+    mark_function(__init__, FunctionMark.RECORDS_INIT_ARGS)
     cls.__init__ = __init__
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import CheckpointError
+from ..param_record import module_record
 from .layers import DistributedModule
 from .mappings import TPContext, _all_gather
 
@@ -34,7 +35,8 @@ def gather_tensor(local: torch.Tensor, dim: int, parts: int, group) -> torch.Ten
     gathered = _all_gather(local, dim, group)  # (rank 0's q|k|v, rank 1's q|k|v, ...)
     if parts == 1:
         return gathered
-    per_rank = [r.chunk(parts, dim=dim) for r in gathered.chunk(dist.get_world_size(group), dim=dim)]
+    ranks = gathered.chunk(dist.get_world_size(group), dim=dim)
+    per_rank = [r.chunk(parts, dim=dim) for r in ranks]
     return torch.cat([torch.cat([r[p] for r in per_rank], dim=dim) for p in range(parts)], dim=dim)
 
 
@@ -43,9 +45,10 @@ def _split_entries(module: nn.Module) -> dict[str, tuple[int, TPContext, int]]:
     entries = {}
     for prefix, m in module.named_modules():
         if isinstance(m, DistributedModule) and m.tp.size > 1:
-            for name, dim in m._smp_split_dims.items():
+            record = module_record(m)
+            for name, dim in record.split_dims.items():
                 key = f"{prefix}.{name}" if prefix else name
-                entries[key] = (dim, m.tp, m._smp_split_parts.get(name, 1))
+                entries[key] = (dim, m.tp, record.split_parts.get(name, 1))
     return entries
 
 
@@ -79,7 +82,7 @@ def shard_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> O
     """Turn a full (unsplit) or local state dict into this rank's local one. No communication.
 
     A sharded tensor of full size is sliced to this rank's part; one of local size is kept as
-    it is, so either layout loads. The `_smp_is_partial` marker is dropped.
+    it is, so either layout loads. The `_smp_is_partial` marker (PARTIAL_KEY) is dropped.
 
     Raises:
         CheckpointError: a sharded key's tensor has neither the full nor the local shape.

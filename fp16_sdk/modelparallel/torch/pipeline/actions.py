@@ -56,7 +56,8 @@ class Message:
     mb: int
 
 
-def messages(schedule_or_p: "Schedule | int", stage: int, action: Action) -> tuple[list[Message], list[Message]]:
+def messages(schedule_or_p: Schedule | int, stage: int,
+             action: Action) -> tuple[list[Message], list[Message]]:
     """The (receives, sends) that `action` performs on `stage` (the table in the module doc)."""
     p = schedule_or_p if isinstance(schedule_or_p, int) else schedule_or_p.num_stages
     last, mb = p - 1, action.mb

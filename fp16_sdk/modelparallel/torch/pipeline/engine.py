@@ -19,8 +19,8 @@ Inputs. Only pipeline rank 0's are used, as in smp: its request (the arguments o
 every activation, so each stage runs the forward with rank 0's arguments whatever its own
 body passed (placeholders, None, other shapes).
 
-Tied weights (stage_params.py): held by each stage using them (`_smp_tied_duplicate = True`
-on all but the first); `finish_step()` sums their gradients over the pipeline group after
+Tied weights (stage_params.py): held by each stage using them (`tied_duplicate` in the
+record of all but the first); `finish_step()` sums their gradients over the pipeline group after
 the data-parallel reducer, so all copies see the whole model's gradient and stay equal.
 """
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import StepError
+from ..param_record import full_shape_of, module_record
 from ..state import state
 from .bodies import Bodies
 from .executor import StageExecutor
@@ -146,7 +147,8 @@ class PipelineEngine:
     # ---- local views --------------------------------------------------------------------
     def local_module_names(self) -> list[str]:
         """Qualified names of the modules this stage owns."""
-        return [n for n, m in self.module.named_modules() if m._smp_partition == self.stage]
+        return [n for n, m in self.module.named_modules()
+                if module_record(m).partition == self.stage]
 
     # ---- body side (called from the microbatch threads) ----------------------------------
     def forward(self, *args, **kwargs):
@@ -295,7 +297,6 @@ class PipelineEngine:
             if holds and p.grad is not None:
                 grad = p.grad
             else:
-                grad = torch.zeros(getattr(p, "_smp_full_shape", p.shape), dtype=p.dtype,
-                                   device=p.device)
+                grad = torch.zeros(full_shape_of(p), dtype=p.dtype, device=p.device)
             dist.all_reduce(grad, group=self.settings.group)
             p.grad = grad if holds else None

@@ -10,7 +10,7 @@ progress on stage s, a unit call
   every call so far, values for those `trace.live[s]` names, ghosts for the rest.
 The last stage runs the forward to its end: its return value is the model's output. Outside a
 run the patched modules behave as before; a patched module's own computation stays reachable
-as `_smp_stage_inner` (activation checkpointing applied after partitioning wraps it).
+as its record's `stage_inner` (activation checkpointing applied after partitioning wraps it).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import StepError
+from ..param_record import module_record, update_module_record
 from .p2p import flatten, unflatten
 from .partition import Partition
 from .trace import Trace, Tracer
@@ -69,17 +70,18 @@ class StageForward:
         for name, owner in partition.unit_stages().items():
             unit = module.get_submodule(name)
             self.units[unit] = (name, owner)
-            unit._smp_stage_inner = unit.forward
+            update_module_record(unit, stage_inner=unit.forward)
             unit.forward = self._patched(unit)
         self._zeros: dict[tuple, torch.Tensor] = {}
 
     def _patched(self, unit: nn.Module):
         def forward(*args, **kwargs):
             active = self._active
+            inner = module_record(unit).stage_inner  # checkpointing may wrap it later
             if active is None:
-                return unit._smp_stage_inner(*args, **kwargs)
+                return inner(*args, **kwargs)
             if isinstance(active, Tracer):
-                return active.call(unit, unit._smp_stage_inner, args, kwargs)
+                return active.call(unit, inner, args, kwargs)
             return self._call(active, unit, args, kwargs)
         return forward
 
@@ -104,7 +106,7 @@ class StageForward:
 
     def _call(self, run: _Run, unit: nn.Module, args, kwargs):
         if run.inside:
-            return unit._smp_stage_inner(*args, **kwargs)
+            return module_record(unit).stage_inner(*args, **kwargs)
         name, owner = self.units[unit]
         calls = self.trace.calls
         i = run.next
@@ -121,7 +123,7 @@ class StageForward:
             return run.stubs[i]
         run.inside = True
         try:
-            out = unit._smp_stage_inner(*args, **kwargs)
+            out = module_record(unit).stage_inner(*args, **kwargs)
         finally:
             run.inside = False
         run.outputs[i] = out

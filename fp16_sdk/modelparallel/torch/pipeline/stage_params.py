@@ -6,8 +6,8 @@ After partitioning, stage s keeps:
   every stage);
 - tied parameters held by this stage (below), and buffers the trace saw used on it.
 Everything else (other stages' units) is freed: its `.data`
-becomes a 0-element tensor of the same dtype and device, the full shape kept in
-`_smp_full_shape`. Names stay, so `model.parameters()` still lists the whole model (an
+becomes a 0-element tensor of the same dtype and device, the full shape kept in its record's
+`full_shape` (param_record.py). Names stay, so `model.parameters()` still lists the whole model (an
 optimizer built from it steps empty tensors for free) and `state_dict()` gathers the real
 values from their owning stages.
 
@@ -20,9 +20,9 @@ Tied parameters: one parameter used on several stages. Found two ways:
   module call); that model is recognised by its `add_lm_head` flag as well;
 - traced: the first step's trace (trace.py) saw the parameter used on other stages (by the
   parent modules' code, which runs on every stage, or inside another stage's unit).
-A tied parameter records the stages holding it in `_smp_held_stages` (it is local on each of
-them, so each stage's data-parallel reducer averages its gradient) and is
-`_smp_tied_duplicate = True` on all of them but the first (counted once in norms). The
+A tied parameter's record holds the stages holding it in `held_stages` (it is local on each
+of them, so each stage's data-parallel reducer averages its gradient) and is
+`tied_duplicate` on all of them but the first (counted once in norms). The
 engine sums its gradients over the pipeline group after the reducer, so all copies see the
 same gradient and stay equal.
 """
@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..param_record import module_record, param_record, update_module_record, \
+    update_param_record
 from .partition import Partition
 
 __all__ = ["mark_stages", "broadcast_from", "find_tied", "release_other_stages",
@@ -48,14 +50,14 @@ class TiedParam:
 
 def _set_stage(module: nn.Module, stage: int) -> None:
     for sub in module.modules():
-        sub._smp_partition = stage
+        update_module_record(sub, partition=stage)
 
 
 def mark_stages(module: nn.Module, part: Partition) -> None:
-    """Write `_smp_partition` on every module (read by model_state's local_* views)."""
+    """Record every module's `partition` (read by model_state's local_* views)."""
     last = part.num_stages - 1
     for _, sub in module.named_modules():
-        sub._smp_partition = 0  # ancestors and modules outside pre/blocks/post
+        update_module_record(sub, partition=0)  # ancestors and modules outside pre/blocks/post
     for name in part.pre:
         _set_stage(module.get_submodule(name), 0)
     for name in part.post:
@@ -68,7 +70,7 @@ def broadcast_from(module: nn.Module, src: int, group) -> None:
     """Every stage's copy of every parameter and buffer equals global rank src's."""
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            if not getattr(t, "_smp_delayed_init", False):  # delayed init: equal already
+            if not param_record(t).delayed:  # delayed init: equal already
                 dist.broadcast(t.data, src=src, group=group)
 
 
@@ -86,14 +88,14 @@ def _declared(module: nn.Module, part: Partition) -> dict[str, set[int]]:
 
 def find_tied(module: nn.Module, part: Partition, stage: int,
               traced: dict[str, frozenset[int]] | None = None) -> list[TiedParam]:
-    """Tied parameters (module docstring), by name; marks `_smp_held_stages` and
-    `_smp_tied_duplicate` (this stage). `traced`: name -> stages using it (trace.py)."""
+    """Tied parameters (module docstring), by name; records `held_stages` and
+    `tied_duplicate` (this stage). `traced`: name -> stages using it (trace.py)."""
     stages: dict[int, set[int]] = {}
     names: dict[int, tuple[str, nn.Parameter]] = {}
     for mname, sub in module.named_modules(remove_duplicate=False):
         for pname, p in sub._parameters.items():
             if p is not None:
-                stages.setdefault(id(p), set()).add(sub._smp_partition)
+                stages.setdefault(id(p), set()).add(module_record(sub).partition)
                 names.setdefault(id(p), (f"{mname}.{pname}" if mname else pname, p))
     by_name = {name: key for key, (name, _) in names.items()}
     for name, extra in list(_declared(module, part).items()) + list((traced or {}).items()):
@@ -104,9 +106,9 @@ def find_tied(module: nn.Module, part: Partition, stage: int,
         if len(held) < 2:
             continue
         name, p = names[key]
-        p._smp_held_stages = frozenset(held)
+        update_param_record(p, held_stages=frozenset(held))
         if stage in held and stage != min(held):
-            p._smp_tied_duplicate = True
+            update_param_record(p, tied_duplicate=True)
         tied.append(TiedParam(name, p, frozenset(held)))
     return sorted(tied, key=lambda t: t.name)
 
@@ -157,13 +159,13 @@ def release_other_stages(module: nn.Module, part: Partition, stage: int,
         for name in _placed_names(part):
             sub = module.get_submodule(name)
             for t in list(sub.parameters()) + list(sub.buffers()):
-                held = stage in getattr(t, "_smp_held_stages", ())
+                held = stage in param_record(t).held_stages
                 if id(t) in kept or id(t) in seen or held:
                     continue
                 seen.add(id(t))
                 freed += t.numel()
-                if t.numel() or not hasattr(t, "_smp_full_shape"):  # delayed init freed it
-                    t._smp_full_shape = tuple(t.shape)
+                if t.numel() or param_record(t).full_shape is None:  # delayed init freed it
+                    update_param_record(t, full_shape=tuple(t.shape))
                 if isinstance(t, nn.Parameter):
                     t.grad = None
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import SMPConfigError
+from ..param_record import module_record
 
 __all__ = ["UnitCall", "Trace", "Tracer", "TraceHooks", "AroundUnit", "tensors_of",
            "PartitionRefused"]
@@ -157,7 +158,9 @@ class Tracer:
         self.everywhere = frozenset(range(num_stages))
         self.owner: dict[int, tuple[str, int]] = {}  # id(param/buffer) -> (name, stage)
         for mname, sub in module.named_modules():
-            stage = getattr(sub, "_smp_partition", 0)
+            stage = module_record(sub).partition
+            if stage is None:  # not partitioned: stage 0 owns it, as mark_stages would
+                stage = 0
             for kind in (sub._parameters, sub._buffers):
                 for pname, t in kind.items():
                     if t is not None and id(t) not in self.owner:

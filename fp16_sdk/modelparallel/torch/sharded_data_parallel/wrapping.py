@@ -8,6 +8,8 @@ tensors freed after (~1/sdp of the model plus one layer at once).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..delayed_init import DelayedPlan, full_numel
 from ..errors import SMPConfigError
+from ..param_record import ParamRecord, param_record, update_param_record
 from ..state import state
 from .settings import is_sharded
 from .zero_names import zero_partition
@@ -61,10 +64,10 @@ def shard_model(module: nn.Module, *, delayed: DelayedPlan | None) -> dict:
     """
     cfg = state.cfg
     params = list(module.parameters())
-    # fully_shard replaces each parameter by a new DTensor one: keep the smp marks
-    # (_smp_distributed, _smp_scaled_batch, ...) that decide reduction groups and norms.
-    marks = {name: {k: v for k, v in vars(p).items() if k.startswith("_smp")}
-             for name, p in module.named_parameters()}
+    # fully_shard replaces each parameter by a new DTensor one: keep the records
+    # (distributed, scaled_batch, ...) that decide reduction groups and norms.
+    records = {name: param_record(p) for name, p in module.named_parameters()
+               if param_record(p) != ParamRecord()}
     half = {p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)}
     threshold = cfg.sdp_param_persistence_threshold
     ignored = {p for p in params if full_numel(p) < threshold or not p.requires_grad}
@@ -73,7 +76,7 @@ def shard_model(module: nn.Module, *, delayed: DelayedPlan | None) -> dict:
         for p in params:
             if id(p) not in ignored_ids and p.dtype in half:
                 if p.numel() == 0 and delayed is not None:
-                    p._smp_via_half = p.dtype  # realised later: rounded through half as eager
+                    update_param_record(p, via_half=p.dtype)  # realised later: as eager
                 p.data = p.data.float()  # the fp32 master is the widened half value
     params = p = None  # no reference left here: each unit's replaced tensors free as it shards
     policy = MixedPrecisionPolicy(param_dtype=next(iter(half)) if half else None,
@@ -98,8 +101,10 @@ def shard_model(module: nn.Module, *, delayed: DelayedPlan | None) -> dict:
         unit.set_force_sum_reduction_for_comms(True)
         claimed.update(id(p) for p in unit.parameters())
     for pname, p in module.named_parameters():
-        for key, value in marks.get(pname, {}).items():
-            setattr(p, key, value)
+        record = records.get(pname)
+        if record is not None:
+            update_param_record(p, **{f.name: getattr(record, f.name)
+                                      for f in dataclasses.fields(record)})
         p.ds_tensor = zero_partition(p)
     if delayed is not None:
         delayed.finish(f"sharded over sdp={state.topology.rdp}")

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import SMPUnsupportedError
+from ...param_record import update_module_record, update_param_record
 from ..state_dicts import gather_tensor, shard_tensor
 from ..layers import DistributedModule, check_divisible
 from ..mappings import (TPContext, copy_to_tensor_parallel_region,
@@ -124,22 +125,24 @@ class ShardedLinear(DistributedModule):
         check_divisible(f"{style}-parallel projection size", weight.shape[wdim] // parts, size)
         self.weight = nn.Parameter(shard_tensor(weight, wdim, parts, size, rank),
                                    requires_grad=original.weight.requires_grad)
-        self.weight._smp_distributed = True
-        self._smp_split_dims["weight"], self._smp_split_parts["weight"] = wdim, parts
+        update_param_record(self.weight, distributed=True)
+        dims, split_parts = {"weight": wdim}, {"weight": parts}
         bias = original.bias
         if bias is None:
             self.bias = None
         elif style == "column":
             self.bias = nn.Parameter(shard_tensor(bias.detach(), 0, parts, size, rank),
                                      requires_grad=bias.requires_grad)
-            self.bias._smp_distributed = True
-            self._smp_split_dims["bias"], self._smp_split_parts["bias"] = 0, parts
+            update_param_record(self.bias, distributed=True)
+            dims["bias"], split_parts["bias"] = 0, parts
         else:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         self.in_features, self.out_features = (self.weight.shape[::-1] if not conv1d
                                                else self.weight.shape)
+        update_module_record(self, split_dims=dims, split_parts=split_parts)
         self._finish()
-        self._smp_nested = True  # the block is the distributed unit, not this projection
+        # the block is the distributed unit, not this projection
+        update_module_record(self, nested=True)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.conv1d and bias is not None:  # as HF's Conv1D: the bias in the GEMM epilogue
@@ -204,9 +207,9 @@ def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None
                 f"({type(sub).__name__}) is not a projection this runtime knows how to split; "
                 f"set tensor_parallel_degree to 1 or register the block class with "
                 f"smp.tp_register_with_module")
-    block._smp_distributed_module, block._smp_nested = True, False
+    update_module_record(block, distributed_module=True, nested=False)
     for p in block.parameters():
-        p._smp_scaled_batch = True
+        update_param_record(p, scaled_batch=True)
     _attach_batch_hooks(block, ctx, arch.causal(block))
 
 
