@@ -289,12 +289,14 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         return self._pipeline.run_step(body, mb_args)
 
     def prepare_grad_sync(self, microbatch: int) -> None:
-        """Arm the reducer when `microbatch` is the step's last and the step synchronises.
+        """Arm the reducer when `microbatch` is the step's last and the step synchronises;
+        before the step's first backward, turn the gradients the last sync left held back into
+        a local sum (grad_sync.py).
 
         Called before each microbatch's backward (by `backward` with pp == 1, by the pipeline
         engine with pp > 1).
         """
-        held = self._grad_sync.take_held()  # the step's first backward: grad_sync.py
+        held = self._grad_sync.take_held()  # empty but at the step's first backward
         if held:
             factor = state.cfg.microbatches if self.average_grads_across_microbatches else 1
             copies = self._pipeline.tied_copies() if self._pipeline is not None else set()
