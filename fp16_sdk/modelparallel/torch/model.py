@@ -41,6 +41,7 @@ from .param_record import module_record, update_module_record
 from .model_state import StateDicts
 from .module_levels import ModuleLevel, build_levels
 from .model_views import LocalViews
+from .grad_sync import GradSyncProgress, unreduce
 from .parallelize import ParallelPlan
 from .reducer import GradReducer, ReductionGroup
 from .state import state
@@ -114,8 +115,10 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.bucket_cap_mb, self.broadcast_buffers = bucket_cap_mb, broadcast_buffers
-        # fp16/bf16: the optimizer owns the gradient storage (p.grad views into its flat
-        # buffers), so the reducer copies in and out instead of re-pointing p.grad.
+        # fp16/bf16: the optimizer decides where the half gradients live (exact path: views
+        # into its FlatBucket's half_grad buffer; fused path: where autograd put them, read by
+        # its kernels through an address table and wanted 16-byte aligned, which a bucket view
+        # need not be), so the reducer copies in and out instead of re-pointing p.grad.
         self.gradient_as_bucket_view = gradient_as_bucket_view and not (
             state.cfg.fp16 or state.cfg.bf16)
         self.partitioned = False
@@ -126,11 +129,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._hooks_ran = False
         self._pending_load = None
         self._sdp: dict | None = None     # sharded data parallelism: shard_model's figures
-        self._backward_steps = 0          # steps that ran a backward
-        self._backwards_in_step = 0
-        self._sync_this_step = False
-        self._reduced_grads: list | None = None  # (param, weakref(grad), version) of the last sync
-        self._grads_checked = False
+        self._grad_sync = GradSyncProgress(backward_passes_per_step)
         state.model = self
         if not self.pipelined:
             self.get_module().to(state.device)
@@ -270,57 +269,32 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             self._broadcast_state(params=False)
         if self._reducer is not None and self._reducer.armed:
             self._reducer.reset()  # the previous step raised mid-backward
-        self._backwards_in_step = 0
-        self._grads_checked = False
-        self._sync_this_step = (self._backward_steps + 1) % self.backward_passes_per_step == 0
+        self._grad_sync.begin_step()
 
     def run_pipeline(self, body, mb_args: list) -> list:
         """pp > 1: run the step's bodies through the engine (PipelineEngine.run_step)."""
         return self._pipeline.run_step(body, mb_args)
 
     def prepare_grad_sync(self, microbatch: int) -> None:
-        """Arm the reducer when `microbatch` is the step's last and the step synchronises.
+        """Arm the reducer when `microbatch` is the step's last and the step synchronises;
+        before the step's first backward, turn the gradients the last sync left held back into
+        a local sum (grad_sync.py).
 
         Called before each microbatch's backward (by `backward` with pp == 1, by the pipeline
         engine with pp > 1).
         """
-        if not self._grads_checked:  # the step's first backward
-            self._grads_checked = True
-            self._unreduce_held_grads()
+        held = self._grad_sync.take_held()  # empty but at the step's first backward
+        if held:
+            factor = state.cfg.microbatches if self.average_grads_across_microbatches else 1
+            copies = self._pipeline.tied_copies() if self._pipeline is not None else set()
+            unreduce(held, factor=factor, reducer=self._reducer, tied_copies=copies)
         if self._reducer is not None and not self._reducer.armed:
-            last = microbatch == state.num_microbatches - 1
-            self._reducer.arm(last and self._sync_this_step)
+            self._reducer.arm(self._grad_sync.reduces_in(microbatch, state.num_microbatches))
 
     def grads_zeroed(self) -> None:
         """The gradients were zeroed: none are held from the last sync (called by
         DistributedOptimizer.zero_grad, never by scripts)."""
-        self._reduced_grads = None
-
-    def _unreduce_held_grads(self) -> None:
-        """Gradients the last synchronising step reduced, still untouched, about to be
-        accumulated into (several steps per optimizer step with backward_passes_per_step 1):
-        turn them back into what a local sum would hold, so this step's reduction gives the
-        sum of both steps' gradients. The data-parallel mean is the same on every rank, so
-        averaging it again changes nothing; the division by microbatches and the tied
-        weights' sum over stages would count it twice: the reduced gradients are multiplied
-        by the microbatch count, and a tied weight's summed gradient is kept on its first
-        stage only."""
-        held, self._reduced_grads = self._reduced_grads, None
-        if not held:
-            return
-        factor = state.cfg.microbatches if self.average_grads_across_microbatches else 1
-        reducer = self._reducer
-        copies = self._pipeline.tied_copies() if self._pipeline is not None else set()
-        # Decide first, then write: gradients that are views of one buffer (flat fp16 grads,
-        # bucket views) share its version counter, which the first write moves.
-        kept = [(p, p.grad) for p, ref, version in held
-                if p.grad is not None and p.grad is ref() and p.grad._version == version]
-        with torch.no_grad():
-            for p, grad in kept:
-                if id(p) in copies:
-                    grad.zero_()
-                elif factor != 1 and reducer is not None and reducer.reduces(p):
-                    grad.mul_(factor)
+        self._grad_sync.grads_zeroed()
 
     def end_step(self) -> None:
         """After a step's bodies: finish the gradient reduction, sum tied weights' gradients
@@ -331,14 +305,9 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         """
         if self._reducer is not None:
             self._reducer.finish()
-        if self._pipeline is not None and self._sync_this_step:
+        if self._pipeline is not None and self._grad_sync.syncs:
             self._pipeline.finish_step()  # tied weights: sum the reduced grads over stages
-        if self._backwards_in_step:
-            self._backward_steps += 1
-            if self._sync_this_step:  # what a next step accumulating into them must undo
-                # Weak: a gradient set to None (model.zero_grad()) must be freed, not held.
-                self._reduced_grads = [(p, weakref.ref(p.grad), p.grad._version)
-                                       for p in self.local_parameters() if p.grad is not None]
+        self._grad_sync.end_step(self.local_parameters())
         if self._pipeline is not None:  # now that the step's collectives are done
             self._pipeline.raise_disagreement()
 
@@ -380,7 +349,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
                 tensors = [t.float() * scale for t in tensors]
             else:
                 grad_tensors = [g * scale for g in grad_tensors]
-        self._backwards_in_step += 1
+        self._grad_sync.backward_called()
         if self.pipelined:
             self._pipeline.backward(tensors, grad_tensors)
             return

@@ -2,7 +2,8 @@
 
 One step in fp16 mode, in the order scripts call it:
 
-    zero_grad()            zero the flat fp16 grad buffers (one kernel per bucket)
+    zero_grad()            zero the fp16 grads: exact, the flat grad buffer (one kernel per
+                           bucket); fused, p.grad = None (backward then hands over its own)
     model.backward(loss)   DistributedModel multiplies loss.float() by `loss_scale`
     clip_master_grads(n)   prepare grads -> found-inf -> clip (unscale and clip in one pass)
     step()                 the same phases unless clip_master_grads ran, then (skipped on
@@ -220,7 +221,9 @@ class DistributedOptimizer:
 
     # ---- the step ----------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the model's gradients (fp16 ones in place in the flat buffers) and masters'."""
+        """Zero the model's gradients and the masters' (as the precision mode holds them: the
+        exact mode's half ones in place in its flat buffers, the fused mode's set to None or
+        zeroed where autograd put them, as `set_to_none` says)."""
         self._mode.zero_grad(set_to_none)
         if state.model is not None:
             state.model.grads_zeroed()

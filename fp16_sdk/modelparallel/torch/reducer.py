@@ -30,7 +30,8 @@ where loss_mb is a mean over the microbatch's samples. So
 accumulate into `.grad` unreduced (like DDP's no_sync), and the sum is not divided by k.
 Accumulating over synchronising steps (k = 1, no zero_grad between) gives the same sum:
 before such a step's first backward, DistributedModel turns the held, already reduced
-gradients back into a local sum (times microbatches; a tied weight's sum kept on one stage).
+gradients back into a local sum (times microbatches; a tied weight's sum kept on one stage;
+grad_sync.py).
 
 A group of one rank (dp = 1) has nothing to exchange: its buckets own no flat buffer, and a
 bucket's "launch" only divides the gradients in place (one multi-tensor kernel, and none when

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import StepError
 from ..state import state
+from .step_kind import StepKind
 
 __all__ = ["Slot", "Bodies"]
 
@@ -41,15 +42,14 @@ class Slot:
 class Bodies:
     """The body threads of one step and the condition variable they share with the executor.
 
-    `forward_only` is the step's kind as the executor knows it: True, False, or None while
-    undecided (the executor sets it; `backward` reads it).
+    `kind` is the step's StepKind (step_kind.py), handed over by `start`; the executor
+    decides it, `backward` waits on it.
     """
 
     def __init__(self):
         self.cv = threading.Condition()
         self.slots: list[Slot] = []
-        self.forward_only: bool | None = False
-        self.forward_only_why = ""
+        self.kind = StepKind()
         self.abort: BaseException | None = None
         self._local = threading.local()
         self._threads: list[threading.Thread] = []
@@ -85,14 +85,15 @@ class Bodies:
         """model.backward(...) inside the body; on stages but the last the local value is not
         used (their backward starts from the gradient received from the next stage)."""
         slot = self._my_slot("model.backward(...)")
+        kind = self.kind
         with self.cv:
-            if not self.forward_only:
+            if kind.trains:
                 slot.backward = (tensors, grad_tensors)
                 self.cv.notify_all()
-        self._wait(lambda: slot.backward_done or self.forward_only)
+        self._wait(lambda: slot.backward_done or kind.forward_only)
         if not slot.backward_done:
             raise StepError(f"model.backward(...) was called in microbatch {slot.mb} of a "
-                            f"forward-only step ({self.forward_only_why}); a step either "
+                            f"forward-only step ({kind.why}); a step either "
                             f"trains in every microbatch on every stage or in none")
 
     def _run(self, slot: Slot, body, args, kwargs, grad_enabled: bool) -> None:
@@ -109,9 +110,11 @@ class Bodies:
                 self.cv.notify_all()
 
     # ---- executor side -----------------------------------------------------------------
-    def start(self, body, microbatch_args: list, grad_enabled: bool) -> list[Slot]:
+    def start(self, body, microbatch_args: list, kind: StepKind) -> list[Slot]:
+        """Start one body thread per microbatch, in the caller's grad mode."""
         self.slots = [Slot(mb) for mb in range(len(microbatch_args))]
-        self.abort = None
+        self.kind, self.abort = kind, None
+        grad_enabled = not kind.declared_here
         self._threads = [threading.Thread(target=self._run, args=(slot, body, a, k, grad_enabled),
                                           name=f"smp-microbatch-{slot.mb}", daemon=True)
                          for slot, (a, k) in zip(self.slots, microbatch_args)]
@@ -149,8 +152,9 @@ class Bodies:
             self.cv.notify_all()
 
     def set_forward_only(self, why: str) -> None:
+        """The step is forward-only: wake the bodies waiting in model.backward."""
         with self.cv:
-            self.forward_only, self.forward_only_why = True, why
+            self.kind.decide_forward_only(why)
             for other in self.slots:  # no backward will use them
                 other.stage_output, other.received_leaves = None, []
             self.cv.notify_all()

@@ -45,6 +45,7 @@ from .partition import Partition, auto_partition, manual_partition
 from .schedule import Kind, build_schedule, forward_only_schedule, switch_to_forward_only
 from .stage_forward import StageForward
 from .stage_params import broadcast_from, find_tied, mark_stages, release_other_stages
+from .step_kind import StepKind
 from .trace import TraceHooks, Tracer
 
 __all__ = ["PipelineEngine", "PipelineSettings"]
@@ -143,6 +144,7 @@ class PipelineEngine:
         self.freed_numel = 0
         self._disagreement: StepError | None = None
         self._steps = 0
+        self._kind = StepKind()  # the last step's (step_kind.py); made anew by each run_step
 
     # ---- local views --------------------------------------------------------------------
     def local_module_names(self) -> list[str]:
@@ -196,17 +198,17 @@ class PipelineEngine:
             log.info(self.partition.describe(self.module))
 
     # ---- the step -----------------------------------------------------------------------
-    def _actions(self):
+    def _actions(self, kind: StepKind):
         """This stage's actions: F0, then the list of the step's kind; a training list turns
         into the switched one after B0 when the step turned out forward-only."""
         yield self.schedule.actions(self.stage)[0]
-        if self._executor.declared:
+        if kind.declared:
             yield from self.forward_schedule.actions(self.stage)[1:]
             return
         actions = self.schedule.actions(self.stage)
         for i in range(1, len(actions)):
             yield actions[i]
-            if self._bodies.forward_only and actions[i].kind is Kind.BACKWARD:
+            if kind.forward_only and actions[i].kind is Kind.BACKWARD:
                 switched = self.switched_schedule.actions(self.stage)
                 assert switched[i] == actions[i], (switched, i)  # same prefix up to B0
                 yield from switched[i + 1:]
@@ -226,20 +228,18 @@ class PipelineEngine:
         if len(microbatch_args) != self.schedule.num_microbatches:
             raise StepError(f"the step has {len(microbatch_args)} microbatches but the pipeline "
                             f"was built for {self.schedule.num_microbatches}")
-        declared = not torch.is_grad_enabled()
+        self._kind = kind = StepKind.begin(grad_enabled=torch.is_grad_enabled(),
+                                           stage=self.stage)
         bodies, executor = self._bodies, self._executor
-        bodies.forward_only = True if declared and self.stage == 0 else None
-        bodies.forward_only_why = "the step function was called with gradients disabled"
-        executor.declared = executor.local_declared = declared
         executor.contradictions, self._disagreement = [], None
         self._steps += 1
         s = self.settings
         s.failure.step = self._steps
-        slots = bodies.start(body, microbatch_args, not declared)
+        slots = bodies.start(body, microbatch_args, kind)
         try:
             if self.trace is None:
                 self._prepare()
-            executor.run(self._actions())
+            executor.run(self._actions(kind), kind)
             self.channel.flush()
         except BaseException as exc:
             if not isinstance(exc, PipelineAborted):
@@ -250,8 +250,8 @@ class PipelineEngine:
         bodies.stop(None)
         if executor.contradictions:
             error = StepError("; ".join(executor.contradictions))
-            if bodies.forward_only:  # first: it explains the bodies' errors; no collective
-                raise error          # ends a forward-only step, so no stage waits for this one
+            if kind.forward_only:  # first: it explains the bodies' errors; no collective
+                raise error        # ends a forward-only step, so no stage waits for this one
             self._disagreement = error  # after the reducer and finish_step, on every stage
         for slot in slots:
             if slot.error is not None:
@@ -275,7 +275,7 @@ class PipelineEngine:
     @property
     def last_step_forward_only(self) -> bool:
         """Whether the step that ran last was forward-only (no gradient was touched)."""
-        return bool(self._bodies.forward_only)
+        return bool(self._kind.forward_only)
 
     def tied_copies(self) -> set[int]:
         """ids of the tied weights whose summed gradient this stage holds and an earlier
@@ -290,7 +290,7 @@ class PipelineEngine:
         data-parallel mean), so the sum is the gradient of the whole model's loss. Nothing
         after a forward-only step (every stage knows it was one, so none calls the collective).
         """
-        if self._bodies.forward_only:
+        if self._kind.forward_only:
             return
         for tied in self._tied:
             p, holds = tied.param, self.stage in tied.stages

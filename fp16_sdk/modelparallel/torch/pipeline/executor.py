@@ -12,12 +12,13 @@ action's handler on what arrived, and posts the sends from what the handler retu
 | grad    | gradients of the received floating tensors, in order; None at B0 when the |
 |         | step turned out forward-only (the decision travels upstream)              |
 
-Forward-only steps (the rule is in step.py's `step` docstring): when pipeline rank 0 called
-the step with gradients off ("declared"), its flag travels with F0's request and every stage
-continues with the forward-only list. Otherwise the decision is at B0, the first backward of
-every list: the last stage looks at its own microbatch 0 (did the body call model.backward?)
-and the grad message of B0 carries that decision stage by stage, so all stages switch or none
-does. A stage whose own bodies disagree runs the schedule to its end and then raises.
+Forward-only steps (the rule is in step.py's `step` docstring): the executor decides the
+step's StepKind (step_kind.py). When pipeline rank 0 called the step with gradients off
+("declared"), its flag travels with F0's request and every stage continues with the
+forward-only list. Otherwise the decision is at B0, the first backward of every list: the
+last stage looks at its own microbatch 0 (did the body call model.backward?) and the grad
+message of B0 carries that decision stage by stage, so all stages switch or none does. A
+stage whose own bodies disagree runs the schedule to its end and then raises.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .host import PipelineHost
 from .p2p import TensorChannel, flatten, snapshot
 from .schedule import Kind, Message, messages
 from .stage_forward import StageForward
+from .step_kind import DECLARED, StepKind
 
 __all__ = ["StageExecutor"]
 
@@ -43,13 +45,13 @@ class StageExecutor:
         self.p, self.last = len(self.pp_ranks), len(self.pp_ranks) - 1
         self.channel, self.forward, self.bodies, self.model = channel, stage_forward, bodies, model
         self.contradictions: list[str] = []
-        self.declared = False  # pipeline rank 0 called this step with gradients off
-        self.local_declared = False
+        self.kind = StepKind()  # the running step's, given to run()
         self._handlers = {Kind.FORWARD: self._forward, Kind.RECV_OUTPUT: self._output,
                           Kind.BACKWARD: self._backward}
 
-    def run(self, actions) -> None:
-        """The loop: receive, handle, send, for each action."""
+    def run(self, actions, kind: StepKind) -> None:
+        """The loop: receive, handle, send, for each action of a step of kind `kind`."""
+        self.kind = kind
         for action in actions:
             recvs, sends = messages(self.p, self.stage, action)
             inbox = {m.what: self._recv(m) for m in recvs}
@@ -80,13 +82,13 @@ class StageExecutor:
                             f"must call it once")
         received = None
         if self.stage == 0:
-            request = (*slot.request, slot.grad_enabled, self.local_declared)
+            request = (*slot.request, slot.grad_enabled, self.kind.declared_here)
         else:
             received, request = inbox["act"]
             if slot.mb == 0:
                 self._take_declared(request[3])
         args, kwargs, grad_enabled, _ = request
-        training = not self.bodies.forward_only
+        training = self.kind.trains
         if received is not None and training:
             _, leaves = flatten(received)
             slot.received_leaves = [t.requires_grad_(True) for t in leaves
@@ -105,16 +107,14 @@ class StageExecutor:
         return {"out": sent}
 
     def _take_declared(self, declared: bool) -> None:
-        self.declared = declared
-        if declared != self.local_declared:
+        if self.kind.take_declared(declared):
             self.contradictions.append(
                 f"stage {self.stage}: the step function was called with gradients "
                 f"{'enabled' if declared is False else 'disabled'} here and "
                 f"{'disabled' if declared else 'enabled'} on pipeline rank 0; call it under "
                 f"the same torch.no_grad() on every rank")
         if declared:
-            self.bodies.set_forward_only("the step function was called with gradients "
-                                         "disabled")  # on pipeline rank 0
+            self.bodies.set_forward_only(DECLARED)  # on pipeline rank 0
 
     # ---- O -----------------------------------------------------------------------------
     def _output(self, slot: Slot, inbox: dict) -> dict:
@@ -135,7 +135,7 @@ class StageExecutor:
                 f"the last stage's {'called it' if mine else 'did not'}; the step body must "
                 f"make the same calls on every pipeline stage")
         if not theirs:
-            self.bodies.forward_only = False
+            self.kind.decide_training()
             return False
         self.bodies.set_forward_only("on the last pipeline stage the step body of microbatch "
                                      "0 returned without calling model.backward(...)")
@@ -144,7 +144,7 @@ class StageExecutor:
     def _backward(self, slot: Slot, inbox: dict) -> dict:
         called = self.bodies.await_field(slot, "backward")
         grads = inbox.get("grad")
-        if self.bodies.forward_only is None:  # B0, the first backward of every list
+        if self.kind.undecided:  # B0, the first backward of every list
             if self._decide(slot, grads):
                 return {"grad": None}  # the marker (stage 0 sends nothing)
         elif not called:
