@@ -203,15 +203,18 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
 
     # what parallelize.py's partition-time steps do to the model (its PartitionHost)
     def broadcast_parameters(self) -> None:
-        """Make every data-parallel replica's parameters and buffers equal to the first's."""
+        """Make every data-parallel replica's parameters and buffers equal to the first's
+        (parallelize.py step 7; called by the runtime, never by scripts)."""
         self._broadcast_state(params=True)
 
     def keep_sharding(self, figures: dict) -> None:
-        """Sharded data parallelism sharded the parameters (shard_model's figures)."""
+        """Sharded data parallelism sharded the parameters: keep shard_model's figures
+        (parallelize.py step 8; called by the runtime, never by scripts)."""
         self._sdp = figures
 
     def build_reducer(self) -> None:
-        """The gradient reducer of the local parameters FSDP does not reduce itself."""
+        """Build the gradient reducer of the local parameters FSDP does not reduce itself
+        (parallelize.py step 9; called by the runtime, never by scripts)."""
         self._reducer = self._build_reducer()
 
     def _broadcast_state(self, *, params: bool) -> None:
@@ -247,7 +250,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
 
     # ---- step protocol (called by smp.step, never by scripts) ----------------------------------
     def run_partition_hooks(self) -> None:
-        """The post-partition hooks, then a pending load_state_dict (once)."""
+        """Run the post-partition hooks, then a pending load_state_dict, once (pp > 1:
+        parallelize.py step 9; else the first step; called by the runtime, never by scripts)."""
         self._hooks_ran = True
         for hook in list(self._post_partition_hooks.values()):
             hook(self, state.optimizer)
