@@ -204,7 +204,7 @@ def _written_names(tree):
             yield node.lineno, node.attr
         elif isinstance(node, ast.Call) and len(node.args) >= 2:
             fn = node.func
-            name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+            name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", "")
             if name in ("setattr", "__setattr__", "delattr"):
                 yield node.lineno, _string(node.args[1], constants)
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and \

@@ -45,12 +45,12 @@ __all__ = ["ParamRecord", "param_record", "update_param_record", "copy_param_rec
 
 @dataclasses.dataclass(frozen=True)
 class ParamRecord:
-    """Facts about one tensor (a parameter, or a buffer where noted). Frozen: update through
+    """Facts about one tensor (a parameter or a buffer). Frozen: update through
     `update_param_record`.
 
     Attributes:
         distributed: a tensor-parallel shard (nn/layers.py, HF sharding): reduced over RDP,
-            counted on every TP rank in norms, gathered/sharded in state dicts.
+            counted on every TP rank in norms.
         scaled_batch: belongs to a distributed module, so it sees the TP group's gathered
             batch and is reduced over RDP too (replicated parameters of such a module).
         full_shape: the shape as created, for a tensor holding fewer elements now (a delayed
