@@ -33,11 +33,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.paths import REPO
 from helpers.procs import Proc, descendants_of, kill_all, scan, wait_gone
 
 SESSION_VAR = "FP16_SDK_TEST_SESSION"
 LEAK_WAIT_S = 10.0  # the promptness bound: a job's processes are gone within 10 s
-_REPO = Path(__file__).resolve().parent.parent
 _BOUND_TO_US = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _LABEL = "fp16_sdk.job"
 # The test Slurm cluster's label and default name, as in .ci/slurm-cluster.sh: only the cluster
@@ -152,7 +152,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.stash[_MARKER] = f"{SESSION_VAR}={token}".encode()
     session.stash[_BASELINE] = {p.key for p in scan()}
     basetemp = session.config._tmp_path_factory.getbasetemp()  # pytest's tmp_path root
-    session.stash[_ROOTS] = (str(_REPO / "tests"), str(_REPO / "fp16_sdk"),
+    session.stash[_ROOTS] = (str(REPO / "tests"), str(REPO / "fp16_sdk"),
                              str(basetemp.resolve()))
     client = _docker_client()
     session.stash[_DOCKER] = (client, set(_docker_resources(client)) if client else set())

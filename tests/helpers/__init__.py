@@ -1,6 +1,8 @@
 """Shared test machinery, one module per concern (import the module you need; this package
 imports nothing, so an SDK test that must not import torch can use `helpers.ports`).
 
+- `paths`: `REPO`, `TESTS`, `SCRIPTS`: the repository root, tests/ and tests/scripts/ (a test in
+  a tier folder never counts parents).
 - `ports`: `free_port()`, a TCP port free a moment ago.
 - `mp`: `run_ranks(fn, world, *args)`, a function on N real Gloo processes (imports torch).
 - `procs`: the live processes as /proc shows them (`scan`, `with_env`, `kill_all`), for the
@@ -23,6 +25,6 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   fixture `slurm_cluster` -> `SlurmCluster` (controller, nodes, shared folder, submit commands).
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
 
-No test module imports another (tests/test_import_boundaries.py checks it): what two test
+No test module imports another (tests/unit/test_import_boundaries.py checks it): what two test
 files share lives here.
 """

@@ -21,10 +21,10 @@ import pytest
 
 from fp16_sdk.backends.base import JobStatus
 from fp16_sdk.pytorch import PyTorch
+from helpers.paths import REPO, TESTS
 from helpers.procs import kill_all, wait_gone, with_env
 from helpers.toolkit_jobs import make_job, toolkit_env
 
-REPO = Path(__file__).resolve().parent.parent
 GONE_WITHIN_S = 10.0
 
 # Writes "<pid>" into PID_DIR, then sleeps far longer than any test (SIGTERM ends it),
@@ -325,8 +325,8 @@ def _inner_session(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProce
     suite = tmp_path / "suite" / "tests"
     suite.mkdir(parents=True)
     (suite / "helpers").mkdir()
-    for name in ("conftest.py", "helpers/__init__.py", "helpers/procs.py"):
-        (suite / name).write_text((REPO / "tests" / name).read_text())
+    for name in ("conftest.py", "helpers/__init__.py", "helpers/paths.py", "helpers/procs.py"):
+        (suite / name).write_text((TESTS / name).read_text())
     marker = uuid.uuid4().hex
     (suite / "test_inner.py").write_text(body)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

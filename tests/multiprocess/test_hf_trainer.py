@@ -30,8 +30,8 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 
 from fp16_sdk.pytorch import PyTorch  # noqa: E402
 from helpers.hf_versions import hf_folder  # noqa: E402
+from helpers.paths import SCRIPTS
 
-SCRIPTS = Path(__file__).parent / "scripts"
 SMP = {"partitions": 2, "microbatches": 2, "ddp": True, "fp16": True}
 # "partitions" must be present: transformers' is_sagemaker_mp_enabled() looks for that key
 SMP_TP2 = {"partitions": 1, "tensor_parallel_degree": 2, "microbatches": 2, "ddp": True,

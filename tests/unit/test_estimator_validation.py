@@ -24,6 +24,7 @@ from fp16_sdk.errors import ConfigError
 from fp16_sdk.estimator_job import base_name_from_image, claim_job_folder, name_from_base
 from fp16_sdk.inputs import TrainingInput
 from fp16_sdk.pytorch import PyTorch
+from helpers.paths import REPO
 
 REMOTE_IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/fp16-sdk-training:0.1-cpu"
 SMP_OK = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {
@@ -394,5 +395,5 @@ def test_import_pytorch_does_not_import_torch():
     code = "import sys, fp16_sdk.pytorch, fp16_sdk.backends.local_process; " \
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, check=True)
+                         cwd=REPO, check=True)
     assert out.stdout.strip() == "False"

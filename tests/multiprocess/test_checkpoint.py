@@ -22,10 +22,10 @@ import torch
 
 from fp16_sdk.modelparallel.torch.checkpoint import files as cf
 from helpers.mp import free_port, run_ranks
+from helpers.paths import REPO, SCRIPTS
 from helpers.procs import kill_all, wait_gone, with_env
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "tests" / "scripts" / "ckpt_train.py"
+SCRIPT = SCRIPTS / "ckpt_train.py"
 DP2 = {"ddp": True, "fp16": True}
 PP2_TP2 = {"ddp": True, "fp16": True, "pipeline_parallel_degree": 2,
            "tensor_parallel_degree": 2, "microbatches": 2}

@@ -29,6 +29,7 @@ from fp16_sdk.errors import (BackendError, ConfigError, DockerUnavailableError,
 from fp16_sdk.packaging import build_sourcedir
 from helpers.docker_engine import IMAGE, client  # noqa: F401 (the fixture)
 from helpers.docker_engine import estimator as _estimator, unavailable as _unavailable
+from helpers.paths import REPO
 
 MPI2 = {"mpi": {"enabled": True, "processes_per_host": 2}}
 
@@ -293,7 +294,7 @@ def test_python_exiting_with_a_running_job_removes_it(client, tmp_path):
         est.fit(wait=False, job_name={name!r})
         assert est.latest_training_job.status.value == "InProgress"
     """)
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(REPO)
     subprocess.run([sys.executable, "-c", program], check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": repo})
     assert _leftovers(client, name) == []

@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers", reason="the test extras pin t
 
 from fp16_sdk.pytorch import PyTorch  # noqa: E402
 from helpers.hf_versions import hf_folder  # noqa: E402
+from helpers.paths import SCRIPTS
 
-SCRIPTS = Path(__file__).parent / "scripts"
 HP = {"max_steps": 12, "checkpoint_freq": 6, "seed": 12345, "train_batch_size": 4,
       "max_context_width": 16, "vocab_size": 64, "hidden_width": 32, "num_layers": 4,
       "num_heads": 4, "fp16": 1, "activation_checkpointing": 1, "microbatches": 2}

@@ -20,7 +20,6 @@ import io
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,8 +27,8 @@ import torch
 
 import smdistributed.modelparallel.torch as smp
 from helpers.mp import run_ranks
+from helpers.paths import SCRIPTS
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DP2 = {"ddp": True, "fp16": True}
 
 

@@ -10,15 +10,13 @@ user's model's, and that names and state-dict keys are unchanged.
 
 import json
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
 
 import smdistributed.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.state import state
-
-SCRIPTS = Path(__file__).parent / "scripts"
+from helpers.paths import SCRIPTS
 
 
 @pytest.fixture

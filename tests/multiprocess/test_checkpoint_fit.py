@@ -17,8 +17,8 @@ import pytest
 
 from fp16_sdk.errors import TrainingJobFailedError
 from fp16_sdk.pytorch import PyTorch
+from helpers.paths import SCRIPTS
 
-SCRIPTS = Path(__file__).parent / "scripts"
 N = 4
 SMP = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
        "ddp": True, "fp16": True}

@@ -22,8 +22,8 @@ from fp16_sdk.backends.base import JobStatus
 from fp16_sdk.backends.failures import read_host_failure
 from fp16_sdk.errors import TrainingJobFailedError
 from fp16_sdk.pytorch import PyTorch
+from helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 HPS = {"epochs": 2, "lr": 0.5, "opts": {"a": 1, "b": "z"}, "x": 3}
 SMP = {"partitions": 2, "microbatches": 2, "ddp": True}
 WORLD4 = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": SMP}},

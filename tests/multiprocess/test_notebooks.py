@@ -21,8 +21,9 @@ import pytest
 from nbclient import NotebookClient
 
 from helpers.aws import aws, moto_server  # noqa: F401 (fixtures)
+from helpers.paths import REPO
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = REPO / "notebooks"
 LOCAL = NOTEBOOKS / "fp16_model_parallel_local.ipynb"
 SAGEMAKER = NOTEBOOKS / "fp16_model_parallel_sagemaker.ipynb"
 

@@ -28,11 +28,11 @@ import docker.errors
 import pytest
 
 from fp16_sdk.backends import local_docker_job, local_docker_reaper
+from helpers.paths import REPO
 from helpers.procs import kill_all, wait_gone, with_env
 from helpers.docker_engine import client  # noqa: F401 - the fixture
 from helpers.docker_engine import estimator as _estimator
 
-REPO = Path(__file__).resolve().parent.parent
 GONE_WITHIN_S = 10.0
 
 # Writes one model file and one output file named after its host (so the merged tarballs show

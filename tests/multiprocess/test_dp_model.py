@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from helpers.mp import RankFailed, free_port, run_ranks
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers.paths import REPO
 
 
 class Net(torch.nn.Module):
@@ -304,7 +303,7 @@ SCRIPT = textwrap.dedent("""
 def test_seed_style_script_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(ckpt=tmp_path / "model.pt"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), CUDA_VISIBLE_DEVICES="",
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), CUDA_VISIBLE_DEVICES="",
                SM_HP_MP_PARAMETERS='{"microbatches": 2, "ddp": true}')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), str(script)]

@@ -12,16 +12,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from fp16_sdk.modelparallel.torch import gloo_exit
+from helpers.paths import REPO, TESTS
 from helpers.ports import free_port
 
-SCENARIO = Path(__file__).parent / "helpers" / "gloo_late_decref.py"
-REPO = Path(__file__).resolve().parent.parent
+SCENARIO = TESTS / "helpers" / "gloo_late_decref.py"
 
 
 def _run_job(mode: str) -> list[tuple[int, str]]:

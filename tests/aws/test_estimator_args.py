@@ -16,6 +16,7 @@ import pytest
 
 from helpers.aws import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
 from helpers.aws import capture_requests, make_buckets
+from helpers.paths import REPO
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.pytorch import PyTorch
 from fp16_sdk.session import Session
@@ -273,12 +274,11 @@ def test_disabled_compiler_config_is_accepted(script):
 def test_configuration_page_lists_every_constructor_argument():
     """docs/configuration.md's estimator table names each argument of the three constructors."""
     import inspect
-    from pathlib import Path
 
     from fp16_sdk.estimator import Estimator
     from fp16_sdk.huggingface import HuggingFace
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    page = (REPO / "docs" / "configuration.md").read_text()
     table = page.split("## Estimator arguments", 1)[1]
     for cls in (Estimator, PyTorch, HuggingFace):
         for name in inspect.signature(cls.__init__).parameters:

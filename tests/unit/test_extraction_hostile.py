@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,7 @@ from fp16_sdk.extraction import safe_extract
 from helpers.docker_engine import IMAGE, client  # noqa: F401 (the fixture)
 from hostile_tarballs import (CASES, _dir, _reg, applies, check_refused, escape_without_filter,
                               make_arena, write_tar)
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO
 
 
 @pytest.fixture

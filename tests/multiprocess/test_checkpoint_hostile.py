@@ -27,9 +27,9 @@ import pytest
 
 from fp16_sdk.modelparallel.torch.checkpoint.files import MANIFEST, PAUSE_ENV
 from helpers.mp import free_port
+from helpers.paths import REPO, SCRIPTS
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "tests" / "scripts" / "ckpt_kill.py"
+SCRIPT = SCRIPTS / "ckpt_kill.py"
 HOOK = "[smp checkpoint test hook]"
 # Every file the re-save writes, in order, then the two renames and the index. The killed
 # re-save must leave generation 1 until ".swap-done", generation 2 from then on.

@@ -24,8 +24,8 @@ import pytest
 from fp16_sdk.backends import local_docker_reaper
 from helpers.docker_engine import IMAGE
 from helpers.docker_engine import client  # noqa: F401 - the fixture
+from helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 LEAK_VAR = "FP16_SDK_TEST_LEAK_JOB"  # set only by the outer test, for the inner session
 SYNC_VAR = "FP16_SDK_TEST_LEAK_SYNC"  # a folder: the inner test writes "ready", waits for "go"
 

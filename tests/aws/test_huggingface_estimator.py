@@ -14,6 +14,7 @@ import pytest
 
 from helpers.aws import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
 from helpers.aws import capture_requests, make_buckets
+from helpers.paths import REPO
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.huggingface import HuggingFace
 from fp16_sdk.session import Session
@@ -132,10 +133,9 @@ def test_default_base_job_name_without_image(script):
 def test_import_does_not_import_torch_or_transformers():
     import subprocess
     import sys
-    from pathlib import Path
 
     code = ("import sys, fp16_sdk.huggingface; "
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, check=True)
+                         cwd=REPO, check=True)
     assert out.stdout.strip() == "False False"

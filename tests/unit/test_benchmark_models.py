@@ -6,19 +6,18 @@ cap, depends on its operands). The reference is the benchmark's plain PyTorch GP
 intended difference is the GELU (smp.nn: erf, the plain model: tanh).
 """
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from helpers.files import load_module
+from helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
 CFG = dict(layers=2, hidden=64, heads=4, seq=32, vocab=512, batch=3)
 
 
 def _bench():
-    return load_module(ROOT / "benchmarks" / "fp16_gpu.py")
+    return load_module(REPO / "benchmarks" / "fp16_gpu.py")
 
 
 def _plain(bench):

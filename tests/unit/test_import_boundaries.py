@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO, TESTS
 
 SDK_MODULES = ["fp16_sdk.pytorch", "fp16_sdk.huggingface", "fp16_sdk.estimator",
                "fp16_sdk.estimator_validation", "fp16_sdk.backends.base",
@@ -110,8 +110,7 @@ def _test_module_imports(path: Path) -> set[str]:
 def test_no_test_module_imports_another():
     # What tests share lives in tests/helpers/ (one module per concern), never in a test
     # module: importing one runs its module body and couples two files' private names.
-    tests = REPO / "tests"
-    pairs = {(f.stem, imported) for f in sorted(tests.rglob("*.py"))
+    pairs = {(f.stem, imported) for f in sorted(TESTS.rglob("*.py"))
              for imported in _test_module_imports(f)}
     assert pairs == set(), sorted(pairs)
 

@@ -6,15 +6,13 @@ must give the logits the trained tp=2 model gave on the same probe batch.
 
 import json
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from fp16_sdk.pytorch import PyTorch
 from helpers.files import load_module
-
-SCRIPTS = Path(__file__).parent / "scripts"
+from helpers.paths import SCRIPTS
 
 
 def _sizes():

@@ -27,12 +27,11 @@ from fp16_sdk.backends.base import JobStatus
 from fp16_sdk.backends.slurm import SlurmSession
 from fp16_sdk.errors import ConfigError, TrainingJobFailedError
 from fp16_sdk.pytorch import PyTorch
+from helpers.paths import REPO, SCRIPTS
 from helpers.slurm_cluster import slurm_cluster  # noqa: F401 (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.docker, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = Path(__file__).parent / "scripts"
 LOSS = [{"Name": "loss", "Regex": r"loss=([0-9.]+)"}]
 
 

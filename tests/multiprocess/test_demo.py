@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers.files import load_module
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO
 
 
 @pytest.mark.slow

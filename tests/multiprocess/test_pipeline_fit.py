@@ -8,7 +8,6 @@ soon, with that stage's error."""
 import json
 import tarfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ import torch
 from fp16_sdk.modelparallel.torch import nn as snn
 from fp16_sdk.pytorch import PyTorch
 from helpers.files import load_module
-
-SCRIPTS = Path(__file__).parent / "scripts"
+from helpers.paths import SCRIPTS
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from helpers.mp import run_ranks
+from helpers.paths import SCRIPTS
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TP2 = {"ddp": True, "fp16": True, "tensor_parallel_degree": 2}
 
 
