@@ -209,7 +209,7 @@ def test_damaged_or_mismatched_checkpoint_is_refused(straight, tmp_path):
         "SM_HP_MP_PARAMETERS": json.dumps(DP2)})
     assert results[0][0] == "IncompleteCheckpointError"
     assert "model_0_0.pt (sha256 differs from the manifest)" in results[0][1], results
-    # (with no tag, resume falls back to step6: tests/test_checkpoint_damaged.py)
+    # (with no tag, resume falls back to step6: tests/multiprocess/test_checkpoint_damaged.py)
     results = run_ranks(_resume_probe, 2, str(ck), "step6", env={
         "SM_HP_MP_PARAMETERS": json.dumps({**DP2, "tensor_parallel_degree": 2})})
     assert results[0][0] == "CheckpointError"

@@ -11,7 +11,7 @@
 - Hugging Face Trainer (transformers pinned, unchanged) resuming a checkpoint its own smp
   path saved, with a planted `pytorch_model.bin` or `optimizer.pt_0`, fails with the
   CheckpointError and never runs the pickle, though TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is set
-  (as tests/test_hf_trainer.py needs it for Trainer's own rng_state.pth).
+  (as tests/multiprocess/test_hf_trainer.py needs it for Trainer's own rng_state.pth).
 """
 
 from __future__ import annotations

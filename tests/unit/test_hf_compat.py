@@ -1,7 +1,7 @@
 """The smp behaviours Hugging Face's Trainer relies on, one at a time (world 1, CPU): any value
 crosses a stage boundary, post-step hooks run once, re-wrapping returns the wrapped model,
 smp.save(v3=) / smp.load(back_compat=), optimizer local_state_dict(gather_if_shard=).
-The whole Trainer runs in tests/test_hf_trainer.py."""
+The whole Trainer runs in tests/multiprocess/test_hf_trainer.py."""
 
 import dataclasses
 from collections import OrderedDict

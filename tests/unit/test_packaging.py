@@ -155,7 +155,7 @@ def _info(name: str, kind=tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInf
     ([_info("fifo", tarfile.FIFOTYPE)], "device"),
 ])
 def test_hostile_members_are_refused(tmp_path, members, why):
-    # The full table (25+ archives, sentinel checks) is tests/test_extraction_hostile.py.
+    # The full table (25+ archives, sentinel checks) is tests/unit/test_extraction_hostile.py.
     target = tmp_path / "target"
     tarball = _hostile(tmp_path, *members)
     with pytest.raises(UnsafeArchiveError, match=why) as err:
