@@ -15,12 +15,13 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   tests (fp16, sharded optimizer state, sharded data parallelism) train (imports torch).
 - `toolkit_jobs`: a fake /opt/ml tree with packed code (`make_job`) and the toolkit's
   environment (`toolkit_env`) / a run of the real toolkit (`run_toolkit`).
+- `models`: the test models' building blocks (`ResidualTanh`, `ObservedBlock` / `ObservedNet`,
+  `ResidualMLP`, `GPTBlock`, `AutoTPBlock`), one class per kind of block (imports torch).
 - `tiny_lm`: `TinyLM` (embedding, residual blocks, tied head) for the pipeline tests.
 - `lm_head`: smp.nn's DistributedTransformerLMHead at CPU size (`LM`), its batches, this
   rank's rows and the single-process reference step, for the pp x tp tests.
 - `pipeline_data`: a tiny Hugging Face GPT-2 (`tiny_gpt2`) and the pp=2 tests' batches.
 - `files`: `load_module(path)`, a script or tool file loaded as a module.
-- `ac_nets`: the activation-checkpointing tests' `Net` of `Block`s (`Block.calls` counts).
 - `slurm_cluster`: the real Slurm cluster in containers (.ci/slurm-cluster.sh), the session
   fixture `slurm_cluster` -> `SlurmCluster` (controller, nodes, shared folder, submit commands).
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).

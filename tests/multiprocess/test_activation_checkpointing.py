@@ -11,21 +11,23 @@ from torch import nn
 
 import smdistributed.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch import activation_checkpointing as ac
-from helpers.ac_nets import H, Block, Net
+from helpers.models import ObservedBlock, ObservedNet
 from helpers.mp import run_ranks
+
+H = 6
 
 
 def _grads(model, x, seed=0):
     torch.manual_seed(seed)  # same dropout masks in both runs
-    Block.calls = 0
+    ObservedBlock.forwards = []
     model(x).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, Block.calls
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, len(ObservedBlock.forwards)
 
 
 def _pair(n=4):
     torch.manual_seed(0)
-    ref = Net(n)
-    ckpt = Net(n)
+    ref = ObservedNet(H, n)
+    ckpt = ObservedNet(H, n)
     ckpt.load_state_dict(ref.state_dict())
     return ref, ckpt
 
@@ -67,16 +69,17 @@ def test_a_plain_module_and_evaluation():
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0)
     with torch.no_grad():
-        Block.calls = 0
+        ObservedBlock.forwards = []
         ckpt.eval()(x)
-        assert Block.calls == 4  # no gradients: nothing saved, nothing recomputed
+        assert len(ObservedBlock.forwards) == 4  # no gradients: nothing saved or recomputed
 
 
 def test_bad_strategies_are_refused():
     with pytest.raises(smp.SMPConfigError, match="'each', 'contiguous' or 'group_N'"):
-        smp.set_activation_checkpointing(Net().layers, strategy="group_x")
+        smp.set_activation_checkpointing(ObservedNet(H).layers, strategy="group_x")
     with pytest.raises(smp.SMPConfigError, match="groups the children of an nn.Sequential"):
-        smp.set_activation_checkpointing(nn.ModuleList([Block(), Block()]), strategy="group_2")
+        smp.set_activation_checkpointing(nn.ModuleList([ObservedBlock(H), ObservedBlock(H)]),
+                                         strategy="group_2")
 
 
 # ---- through smp.DistributedModel, with and without a pipeline ---------------------------------
@@ -86,7 +89,7 @@ def _train_once(rank, world, strategy, before_wrap, pp):
     import smdistributed.modelparallel.torch as smp
     smp.init({"pipeline_parallel_degree": pp, "microbatches": 2})
     torch.manual_seed(0)
-    net = Net(4)
+    net = ObservedNet(H, 4)
     full = {k: v.clone() for k, v in net.state_dict().items()}
     for layer in net.layers:
         layer.drop.p = 0.0  # the reference below runs without the per-stage RNG streams
@@ -103,14 +106,14 @@ def _train_once(rank, world, strategy, before_wrap, pp):
         return loss
 
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    Block.calls = 0
+    ObservedBlock.forwards = []
     step(model, x)
     grads = {n: p.grad.clone() for n, p in model.local_named_parameters() if p.grad is not None}
-    return full, grads, Block.calls
+    return full, grads, len(ObservedBlock.forwards)
 
 
 def _reference(full, x_seed=1):
-    ref = Net(4)
+    ref = ObservedNet(H, 4)
     ref.load_state_dict(full)
     for layer in ref.layers:
         layer.drop.p = 0.0

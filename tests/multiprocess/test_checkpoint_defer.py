@@ -13,26 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.models import ResidualTanh
 from helpers.mp import run_ranks
 
 VOCAB, HIDDEN, SEQ, BATCH, STEPS, SAVE_AT = 13, 8, 4, 4, 4, 2
 SMP = {"pipeline_parallel_degree": 2, "microbatches": 2}
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc, self.drop = nn.Linear(HIDDEN, HIDDEN), nn.Dropout(0.3)
-
-    def forward(self, x):  # the residual inside the block: blocks feed each other (engine.py)
-        return x + self.drop(torch.tanh(self.fc(x)))
-
-
 class DropLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(ResidualTanh(HIDDEN, dropout=0.3) for _ in range(2))
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids):

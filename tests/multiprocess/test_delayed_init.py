@@ -21,26 +21,17 @@ import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.errors import SMPConfigError
 from fp16_sdk.modelparallel.torch.state import state
 from helpers.live_bytes import LiveBytes
+from helpers.models import ResidualMLP
 from helpers.mp import run_ranks
 
 VOCAB, HIDDEN, LAYERS = 16, 256, 8
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(HIDDEN)
-        self.fc1, self.fc2 = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
 
 
 class LM(nn.Module):
     def __init__(self):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(ResidualMLP(HIDDEN) for _ in range(LAYERS))
         self.head = nn.Linear(HIDDEN, VOCAB)
         self.register_buffer("scale", torch.full((1,), 0.5))  # a buffer computed in __init__
 

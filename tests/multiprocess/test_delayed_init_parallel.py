@@ -20,6 +20,7 @@ from torch import nn
 import fp16_sdk.modelparallel.torch as smp
 from helpers.mp import run_ranks
 from helpers.live_bytes import LiveBytes
+from helpers.models import ResidualMLP
 from helpers.tiny_gpt import batches, lm_loss
 
 pytestmark = pytest.mark.slow
@@ -27,21 +28,11 @@ pytestmark = pytest.mark.slow
 VOCAB, HIDDEN, LAYERS, STEPS, LR = 32, 256, 8, 3, 1e-2
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(HIDDEN)
-        self.fc1, self.fc2 = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
-
-
 class LM(nn.Module):
     def __init__(self):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(ResidualMLP(HIDDEN) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB)
 

@@ -19,6 +19,7 @@ from torch import nn
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.config import parse_mp_parameters
 from fp16_sdk.errors import ConfigError
+from helpers.models import GPTBlock
 from helpers.mp import run_ranks
 from helpers.tiny_gpt import batches, lm_loss
 
@@ -27,30 +28,13 @@ pytestmark = pytest.mark.slow
 STEPS, BATCH, LR, EPS, CLIP = 3, 8, 1e-2, 1e-4, 0.5
 
 
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        x = x + self.proj(y.reshape(b, s, -1))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
 class LayerGPT(nn.Module):
     """Two blocks in a ModuleList (the sharding units) and a tied head on the root."""
 
     def __init__(self, vocab=32, d=32, heads=2, seq=16, layers=2):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.layers = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
 
     def forward(self, idx):

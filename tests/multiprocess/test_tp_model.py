@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fp16_sdk.modelparallel.torch.nn import DistributedTransformerOutputLayer, tp_register
+from helpers.models import AutoTPBlock
 from helpers.ports import free_port
 from helpers.tp_checks import assert_close, full_grads
 
@@ -163,27 +164,12 @@ class _UserMLP(torch.nn.Module):
         return self.layernorm(x + self.dense2(torch.nn.functional.gelu(self.dense1(x))))
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, width, tied_with=None):
-        super().__init__()
-        self.up = torch.nn.Linear(width, 2 * width)
-        self.down = torch.nn.Linear(2 * width, width)
-        self.odd = torch.nn.Linear(width, 5)          # 5 does not divide by 2: left whole
-        self.tied = torch.nn.Linear(width, width, bias=False)
-        if tied_with is not None:
-            self.tied.weight = tied_with.weight       # shares weights: left whole
-
-    def forward(self, x):
-        h = self.down(torch.relu(self.up(x))) + self.tied(x)
-        return h, self.odd(h)
-
-
 class _Model(torch.nn.Module):
     def __init__(self, smp):
         super().__init__()
         self.head = torch.nn.Linear(16, 16)
         with smp.tensor_parallelism():
-            self.block = _Block(16, tied_with=self.head)
+            self.block = AutoTPBlock(16, tied_with=self.head)
             self.mlp = _UserMLP(16)
             with smp.tensor_parallelism(enabled=False):
                 self.plain = torch.nn.Linear(16, 16)  # innermost context: not distributed

@@ -7,43 +7,18 @@ between forward and backward.
 """
 
 import gc
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import fp16_sdk.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch import activation_checkpointing as ac
 from fp16_sdk.modelparallel.torch import activation_offload as offload
 from fp16_sdk.modelparallel.torch.state import state
+from helpers.models import ObservedBlock, ObservedNet
 
 H = 8
-
-
-class Block(nn.Module):
-    seen: list = []
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(H, H)
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x):
-        Block.seen.append(weakref.ref(x))
-        return x + self.drop(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.inp = nn.Linear(H, H)
-        self.layers = nn.Sequential(*(Block() for _ in range(n)))
-        self.out = nn.Linear(H, 1)
-
-    def forward(self, x):
-        return self.out(self.layers(self.inp(x)))
 
 
 @pytest.fixture
@@ -72,7 +47,7 @@ def _grads(model, x, seed=0):
 
 def _pair(n, strategy, device="cpu"):
     torch.manual_seed(0)
-    ref, model = Net(n).to(device), Net(n).to(device)
+    ref, model = ObservedNet(H, n).to(device), ObservedNet(H, n).to(device)
     model.load_state_dict(ref.state_dict())
     ac.apply_checkpointing(model.layers, strategy=strategy)
     return ref, model
@@ -84,11 +59,11 @@ def test_offloaded_gradients_match_and_device_inputs_are_released(init, strategy
     init(offload_activations=True)
     ref, model = _pair(4, strategy)
     want = _grads(ref, x)
-    Block.seen = []
+    ObservedBlock.forwards = []
     torch.manual_seed(0)
     loss = model(x).sum()
     gc.collect()
-    firsts = Block.seen[:4]  # the first forward's block inputs (recomputation appends more)
+    firsts = ObservedBlock.forwards[:4]  # the first forward's inputs (recomputation appends)
     # Group members after the first hand their input on inside the checkpoint (recomputed);
     # the inputs the checkpoints hold are those of each group's first block.
     held = [0, 1, 2, 3] if strategy == "each" else [0, 2]
@@ -104,10 +79,11 @@ def test_offloaded_gradients_match_and_device_inputs_are_released(init, strategy
 def test_without_offload_the_checkpoint_keeps_its_device_inputs(init):
     init()
     _, model = _pair(4, "each")
-    Block.seen = []
+    ObservedBlock.forwards = []
     loss = model(torch.randn(5, H)).sum()
     gc.collect()
-    assert all(ref() is not None for ref in Block.seen[:4])  # the control for the test above
+    # the control for the test above
+    assert all(ref() is not None for ref in ObservedBlock.forwards[:4])
     loss.backward()
     assert offload.stats.offloaded == 0
 
@@ -128,8 +104,8 @@ def test_through_the_distributed_model(init):
     x = torch.randn(4, H)
     init(offload_activations=True)
     torch.manual_seed(0)
-    ref = Net(3)
-    model = Net(3)
+    ref = ObservedNet(H, 3)
+    model = ObservedNet(H, 3)
     model.load_state_dict(ref.state_dict())
     want = _grads(ref, x)
     dm = smp.DistributedModel(model)
@@ -156,7 +132,7 @@ def test_cuda_device_memory_between_forward_and_backward(init, monkeypatch):
     def held(offloading: bool):
         monkeypatch.setattr(offload, "enabled", lambda: offloading)  # same job, both arms
         torch.manual_seed(0)
-        model = Net(n).cuda()
+        model = ObservedNet(H, n).cuda()
         ac.apply_checkpointing(model.layers)
         x = torch.randn(batch, H, device="cuda")
         torch.cuda.synchronize()
