@@ -25,7 +25,13 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
 - `slurm_cluster`: the real Slurm cluster in containers (.ci/slurm-cluster.sh), the session
   fixture `slurm_cluster` -> `SlurmCluster` (controller, nodes, shared folder, submit commands).
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
+- `docker_engine`: the real Docker engine (`client` fixture; skips, or fails with CI=true, without
+  it), the test image name `IMAGE` and `estimator`, a local Docker job's estimator.
+- `ec2_stand_ins`: the EC2 backend's emulated account (`infra`) and training-image containers
+  standing in for instances (`run_stand_ins`).
+- `hf_versions`: `hf_folder`, the extra transformers versions (oldest, newest) jobs run on.
 
 No test module imports another (tests/unit/test_import_boundaries.py checks it): what two test
-files share lives here.
+files share lives here. This list names every module of the package, and only those
+(tests/unit/test_helpers_map.py checks it).
 """

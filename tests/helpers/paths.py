@@ -7,4 +7,4 @@ __all__ = ["REPO", "TESTS", "SCRIPTS"]
 
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
-SCRIPTS = TESTS / "scripts"  # the job scripts the multi-process tests run through fit()/torchrun
+SCRIPTS = TESTS / "scripts"  # the scripts the multi-process tests run as jobs or processes

@@ -1,6 +1,6 @@
 """A Gloo worker that still wants the GIL when the interpreter shuts down (gloo_exit.py).
 
-The two-rank job of helpers/gloo_late_decref.py runs as real processes, with torch.distributed
+The two-rank job of tests/scripts/gloo_late_decref.py runs as real processes, with torch.distributed
 alone (the control: torch 2.13 on Python 3.11 kills rank 0 with SIGABRT after its script has
 finished) and through smp.init(), whose exit drain must let both ranks exit 0.
 """
@@ -17,10 +17,10 @@ import pytest
 import torch.distributed as dist
 
 from fp16_sdk.modelparallel.torch import gloo_exit
-from helpers.paths import REPO, TESTS
+from helpers.paths import REPO, SCRIPTS
 from helpers.ports import free_port
 
-SCENARIO = TESTS / "helpers" / "gloo_late_decref.py"
+SCENARIO = SCRIPTS / "gloo_late_decref.py"
 
 
 def _run_job(mode: str) -> list[tuple[int, str]]:
