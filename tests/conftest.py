@@ -52,6 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     also test the backend's logic without an engine)."""
     wrong, docker_files = [], {}
     for item in items:
+        if not item.path.is_relative_to(TESTS):
+            continue
         tier = item.path.relative_to(TESTS).parts[0]
         marks = {m.name for m in item.iter_markers()}
         if tier == "slurm" and "slurm" not in marks:
