@@ -38,11 +38,12 @@ if want overhead; then
     --out "$OUT/runtime_overhead.json" 2>&1 | tee -a "$LOG" || status=1
 fi
 if want tests; then
-  OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests/test_loss_scaler.py tests/test_fp16_optimizer.py \
-    -q -k "not cuda" -p no:cacheprovider > /tmp/tests_rest.log 2>&1 &
+  OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests/unit/test_loss_scaler.py \
+    tests/multiprocess/test_fp16_optimizer.py -q -k "not cuda" -p no:cacheprovider \
+    > /tmp/tests_rest.log 2>&1 &
   rest=$!
-  timeout 150 python3 -m pytest tests/test_fp16_optimizer.py tests/test_fused_loss.py \
-    tests/test_widen.py -q \
+  timeout 150 python3 -m pytest tests/multiprocess/test_fp16_optimizer.py \
+    tests/unit/test_fused_loss.py tests/unit/test_widen.py -q \
     -k "cuda or fused or widen or fp16_module" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG" || status=1
   wait $rest || status=1
   tail -1 /tmp/tests_rest.log | tee -a "$LOG"

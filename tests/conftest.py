@@ -33,16 +33,40 @@ from pathlib import Path
 
 import pytest
 
+from helpers.paths import REPO, TESTS
 from helpers.procs import Proc, descendants_of, kill_all, scan, wait_gone
 
 SESSION_VAR = "FP16_SDK_TEST_SESSION"
 LEAK_WAIT_S = 10.0  # the issue's promptness bound: a job's processes are gone within 10 s
-_REPO = Path(__file__).resolve().parent.parent
 _BOUND_TO_US = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _LABEL = "fp16_sdk.job"
 # The test Slurm cluster's label and default name, as in .ci/slurm-cluster.sh: only the cluster
 # this session can start counts (another name on the same engine is someone else's).
 _SLURM_LABEL = f"fp16_sdk.slurm={os.environ.get('FP16_SDK_SLURM_NAME') or 'fp16-slurm'}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tier folders and the markers agree (CI's Docker rule and `make test-fast` select by
+    marker, the folders show the tiers): a test is marked `slurm` exactly when it is in
+    tests/slurm, and every file in tests/docker has a test marked `docker` (a file there may
+    also test the backend's logic without an engine)."""
+    wrong, docker_files = [], {}
+    for item in items:
+        if not item.path.is_relative_to(TESTS):
+            continue
+        tier = item.path.relative_to(TESTS).parts[0]
+        marks = {m.name for m in item.iter_markers()}
+        if tier == "slurm" and "slurm" not in marks:
+            wrong.append(f"{item.nodeid}: in tests/slurm but not marked slurm")
+        elif tier != "slurm" and "slurm" in marks:
+            wrong.append(f"{item.nodeid}: marked slurm outside tests/slurm")
+        if tier == "docker":
+            docker_files[item.path] = docker_files.get(item.path, False) or "docker" in marks
+    wrong += [f"{path.relative_to(TESTS.parent)}: in tests/docker but no test of it is marked "
+              "docker" for path, marked in docker_files.items() if not marked]
+    if wrong:
+        raise pytest.UsageError("test tiers and markers disagree (move the file or fix its "
+                                "marks):\n" + "\n".join(wrong))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -152,7 +176,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.stash[_MARKER] = f"{SESSION_VAR}={token}".encode()
     session.stash[_BASELINE] = {p.key for p in scan()}
     basetemp = session.config._tmp_path_factory.getbasetemp()  # pytest's tmp_path root
-    session.stash[_ROOTS] = (str(_REPO / "tests"), str(_REPO / "fp16_sdk"),
+    session.stash[_ROOTS] = (str(REPO / "tests"), str(REPO / "fp16_sdk"),
                              str(basetemp.resolve()))
     client = _docker_client()
     session.stash[_DOCKER] = (client, set(_docker_resources(client)) if client else set())

@@ -1,6 +1,6 @@
-"""The hostile code archives of tests/test_extraction_hostile.py, and the check each must pass.
+"""The hostile code archives of tests/unit/test_extraction_hostile.py, and the check each must pass.
 
-No pytest here: tests/test_extraction_hostile.py also runs this file as a script inside a
+No pytest here: tests/unit/test_extraction_hostile.py also runs this file as a script inside a
 container of the training image (`python hostile_tarballs.py <arena>`), so the same table is
 refused by the image's own Python (Debian bookworm's 3.11.2, whose tarfile has no data filter),
 through the same extraction code.

@@ -96,7 +96,8 @@ ATTRIBUTES = {
 }
 
 
-# How Hugging Face's Trainer meets this runtime (tests/test_hf_trainer.py shows each line).
+# How Hugging Face's Trainer meets this runtime (tests/multiprocess/test_hf_trainer.py shows each
+# line).
 HF_TRAINER = [
     "## Hugging Face Trainer", "",
     "transformers' `Trainer` runs its own smp path, unchanged (verified with transformers "

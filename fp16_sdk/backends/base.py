@@ -34,7 +34,7 @@ class MineBackend(Backend):
 BackendEntry("mine", "fp16_sdk.backends.mine:MineBackend", placement=SHARED_FILESYSTEM,
              instance_types=("mine",)),
 ```
-`tests/test_backend_seam.py` registers such a backend from a test and runs `fit()` through it.
+`tests/unit/test_backend_seam.py` registers such a backend from a test and runs `fit()` through it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Shared test machinery, one module per concern (import the module you need; this package
 imports nothing, so an SDK test that must not import torch can use `helpers.ports`).
 
+- `paths`: `REPO`, `TESTS`, `SCRIPTS`: the repository root, tests/ and tests/scripts/ (a test in
+  a tier folder never counts parents).
 - `ports`: `free_port()`, a TCP port free a moment ago.
 - `mp`: `run_ranks(fn, world, *args)`, a function on N real Gloo processes (imports torch).
 - `procs`: the live processes as /proc shows them (`scan`, `with_env`, `kill_all`), for the
@@ -13,16 +15,23 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   tests (fp16, sharded optimizer state, sharded data parallelism) train (imports torch).
 - `toolkit_jobs`: a fake /opt/ml tree with packed code (`make_job`) and the toolkit's
   environment (`toolkit_env`) / a run of the real toolkit (`run_toolkit`).
+- `models`: the test models' building blocks (`ResidualTanh`, `ObservedBlock` / `ObservedNet`,
+  `ResidualMLP`, `GPTBlock`, `AutoTPBlock`), one class per kind of block (imports torch).
 - `tiny_lm`: `TinyLM` (embedding, residual blocks, tied head) for the pipeline tests.
 - `lm_head`: smp.nn's DistributedTransformerLMHead at CPU size (`LM`), its batches, this
   rank's rows and the single-process reference step, for the pp x tp tests.
 - `pipeline_data`: a tiny Hugging Face GPT-2 (`tiny_gpt2`) and the pp=2 tests' batches.
 - `files`: `load_module(path)`, a script or tool file loaded as a module.
-- `ac_nets`: the activation-checkpointing tests' `Net` of `Block`s (`Block.calls` counts).
 - `slurm_cluster`: the real Slurm cluster in containers (.ci/slurm-cluster.sh), the session
   fixture `slurm_cluster` -> `SlurmCluster` (controller, nodes, shared folder, submit commands).
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
+- `docker_engine`: the real Docker engine (`client` fixture; skips, or fails with CI=true, without
+  it), the test image name `IMAGE` and `estimator`, a local Docker job's estimator.
+- `ec2_stand_ins`: the EC2 backend's emulated account (`infra`) and training-image containers
+  standing in for instances (`run_stand_ins`).
+- `hf_versions`: `hf_folder`, the extra transformers versions (oldest, newest) jobs run on.
 
-No test module imports another (tests/test_import_boundaries.py checks it): what two test
-files share lives here.
+No test module imports another (tests/unit/test_import_boundaries.py checks it): what two test
+files share lives here. This list names every module of the package, and only those
+(tests/unit/test_helpers_map.py checks it).
 """

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers.paths import REPO
+
 __all__ = ["hf_folder"]
 
-REPO = Path(__file__).resolve().parents[2]
 FOLDERS = {"oldest": REPO / ".hf-oldest", "newest": REPO / ".hf-newest"}
 
 

@@ -21,12 +21,11 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from helpers.paths import REPO, TESTS
 from helpers.ports import free_port
 
 __all__ = ["run_ranks", "free_port", "RankFailed"]
 
-_TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_REPO = os.path.dirname(_TESTS_DIR)
 
 
 class RankFailed(AssertionError):
@@ -40,7 +39,7 @@ def _child(rank, world_size, port, env, fn, args, outdir, init_gloo):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "CUDA_VISIBLE_DEVICES": ""})
     os.environ.update(env or {})
-    for path in (_REPO, _TESTS_DIR):
+    for path in (str(REPO), str(TESTS)):
         if path not in sys.path:
             sys.path.insert(0, path)
     result_path = os.path.join(outdir, f"rank{rank}.pkl")

@@ -29,10 +29,11 @@ import pytest
 from fp16_sdk import image as images
 from fp16_sdk.errors import DockerUnavailableError
 from helpers.docker_engine import IMAGE, unavailable
+from helpers.paths import REPO
 
 __all__ = ["SCRIPT", "SlurmCluster", "slurm_cluster"]
 
-SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "slurm-cluster.sh"
+SCRIPT = REPO / ".ci" / "slurm-cluster.sh"
 _UP_TIMEOUT_S = 600  # a first `up` builds the node image (tens of seconds; apt inside)
 # Whether this session started the cluster (so its leak check in conftest may count it): a
 # cluster of the same name that another session started on the engine is not this one's.

@@ -3,39 +3,13 @@ RDP): embedding -> residual tanh blocks -> norm -> head, small enough for Gloo o
 
 from __future__ import annotations
 
-import time
-
-import torch
 from torch import nn
 
-__all__ = ["VOCAB", "HIDDEN", "Block", "TinyLM"]
+from helpers.models import ResidualTanh
+
+__all__ = ["VOCAB", "HIDDEN", "TinyLM"]
 
 VOCAB, HIDDEN = 11, 8
-
-
-class Block(nn.Module):
-    def __init__(self, delay=0.0):
-        super().__init__()
-        self.fc = nn.Linear(HIDDEN, HIDDEN)
-        self.delay = delay
-
-    def forward(self, x):
-        if self.delay:
-            x = _Sleep.apply(x, self.delay)
-        return x + torch.tanh(self.fc(x))
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        time.sleep(seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 class TinyLM(nn.Module):
@@ -44,7 +18,7 @@ class TinyLM(nn.Module):
     def __init__(self, layers=4, delay=0.0):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block(delay) for _ in range(layers))
+        self.blocks = nn.ModuleList(ResidualTanh(HIDDEN, delay=delay) for _ in range(layers))
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.head.weight = self.wte.weight

@@ -5,7 +5,7 @@ arguments and passed to `smp.init`, the Hugging Face model built under `smp.mode
 `smp.set_partition` after wrapping, `smp.set_activation_checkpointing` on the transformer
 blocks, `smp.DistributedOptimizer` with dynamic loss scaling, `clip_master_grads`, partial
 checkpoints with `smp.save_checkpoint` and a full model at the end), so that the SDK runs
-scripts of that kind unchanged. Run by tests/test_gpt2_smp_style.py through `fit()`.
+scripts of that kind unchanged. Run by tests/multiprocess/test_gpt2_smp_style.py through `fit()`.
 
 Writes `ranks.json` (one record per rank: layout, losses, loss scales, parameter counts, the
 first batch) and `fullmodel.pt` (the gathered, plain Hugging Face state dict) to SM_MODEL_DIR.

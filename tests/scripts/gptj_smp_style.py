@@ -5,7 +5,7 @@ Not a copy of that script: its shape where smp's module nesting matters. After
 `m = model`, and reaches the blocks as `m.module.module.transformer.h`, i.e.
 `model.module.module.module.transformer.h` under fp16, to set activation checkpointing on
 each block, as that example does. Then a few fp16 steps with dynamic loss scaling and
-`clip_master_grads`. Run by tests/test_module_levels.py through `fit()`.
+`clip_master_grads`. Run by tests/multiprocess/test_module_levels.py through `fit()`.
 
 Writes `ranks.json` to SM_MODEL_DIR: per rank the layout, the losses and which object the
 script reached through the nesting (its class, and whether it is `model.get_module()`).

@@ -1,6 +1,6 @@
 """Hugging Face `Trainer` on its own SageMaker-model-parallel path (run by
-tests/test_hf_trainer.py through fit(); pipeline 2 or tensor parallel 2, microbatches 2,
-ddp, fp16).
+tests/multiprocess/test_hf_trainer.py through fit(); pipeline 2 or tensor parallel 2,
+microbatches 2, ddp, fp16).
 
 transformers turns smp on by itself: `SM_HP_MP_PARAMETERS` holds "partitions",
 `SM_FRAMEWORK_PARAMS` has sagemaker_mpi_enabled and `smdistributed` imports, so

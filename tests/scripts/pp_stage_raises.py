@@ -1,6 +1,7 @@
-"""pp=2 x rdp=2 job in which one stage raises at step 3 (run by tests/test_pipeline_failure_fit.py
-through fit()): the rank with pp_rank 1 and rdp_rank 0 raises ValueError inside its forward and
-writes the time it raised to --out/raised_at, so the test can time how long the job takes to end.
+"""pp=2 x rdp=2 job in which one stage raises at step 3 (run by
+tests/multiprocess/test_pipeline_fit.py through fit()): the rank with pp_rank 1 and rdp_rank 0
+raises ValueError inside its forward and writes the time it raised to --out/raised_at, so the
+test can time how long the job takes to end.
 """
 
 import argparse

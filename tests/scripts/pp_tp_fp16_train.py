@@ -1,5 +1,5 @@
 """pp=2 x tp=2 FP16 training of smp.nn.DistributedTransformerLMHead (run by
-tests/test_pipeline_fit.py through fit(), 2 hosts x 2 processes).
+tests/multiprocess/test_pipeline_fit.py through fit(), 2 hosts x 2 processes).
 
 A SageMaker-style script: smp reads mp_parameters from the environment, the data are a
 learnable synthetic sequence, the gathered model goes to SM_MODEL_DIR (model.tar.gz) with the

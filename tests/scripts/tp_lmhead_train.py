@@ -1,4 +1,5 @@
-"""tp=2 FP16 training of smp.nn.DistributedTransformerLMHead (run by tests/test_tp_fit.py).
+"""tp=2 FP16 training of smp.nn.DistributedTransformerLMHead (run by
+tests/multiprocess/test_tp_fit.py).
 
 Saves the gathered state_dict and, on a fixed probe batch, the logits of the trained TP model,
 so the test can load the weights into the tp=1 model and compare.

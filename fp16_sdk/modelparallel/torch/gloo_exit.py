@@ -8,7 +8,8 @@ which means taking the GIL. torch checks that the interpreter is alive before it
 GIL, not after. If the main thread starts finalizing while the worker waits, CPython ends the
 worker with `pthread_exit`. Its unwinding runs into torch's noexcept destructor, and the
 process dies with "terminate called without an active exception" (SIGABRT) after the script
-has finished. That is torch 2.13 on Python 3.11; `tests/test_gloo_exit.py` reproduces it.
+has finished. That is torch 2.13 on Python 3.11; `tests/multiprocess/test_gloo_exit.py`
+reproduces it.
 
 The fix is to drain the workers first. `drain_at_exit()` (registered by `smp.init()`)
 registers `drain()` with atexit, which runs while the interpreter is still intact. `drain()`
