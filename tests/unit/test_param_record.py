@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers.paths import REPO
+
 from fp16_sdk.modelparallel.torch.checkpoint import safe_load
 from fp16_sdk.modelparallel.torch.param_record import (FunctionMark, ModuleRecord, ParamRecord,
                                                        copy_param_record, full_shape_of,
@@ -23,7 +25,7 @@ from fp16_sdk.modelparallel.torch.param_record import (FunctionMark, ModuleRecor
                                                        update_module_record,
                                                        update_param_record)
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fp16_sdk"
+PACKAGE = REPO / "fp16_sdk"
 
 # The one place a record is stored on a module (its __dict__ entry, param_record.py).
 RECORD_HOME = PACKAGE / "modelparallel" / "torch" / "param_record.py"
