@@ -66,3 +66,19 @@ def test_every_module_has_a_row_and_every_row_a_module():
     assert not missing, f"modules with no row in docs/architecture.md's module index: {missing}"
     assert not stale, f"rows in docs/architecture.md's module index naming no module: {stale}"
     assert not twice, f"modules with two rows: {twice}"
+
+
+RUNTIME = PACKAGE / "modelparallel"
+DOCSTRING_LINES = 34  # what a module is and how it is used; design reasoning: docs/internals.md
+
+
+def test_runtime_module_docstrings_leave_design_notes_to_internals():
+    import ast
+
+    long = []
+    for path in sorted(RUNTIME.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if doc and doc.count("\n") + 1 > DOCSTRING_LINES:
+            long.append(f"{path.relative_to(REPO)}: {doc.count(chr(10)) + 1} lines")
+    assert not long, (f"module docstrings over {DOCSTRING_LINES} lines (move the design notes to "
+                      f"docs/internals.md and point there): {long}")

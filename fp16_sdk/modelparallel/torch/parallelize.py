@@ -30,11 +30,7 @@ that owns the feature; this module only orders them and hands each the model it 
       9 gradient reducer, the optimizer's per-stage state, post-partition hooks and a pending
         load (pp > 1; with pp == 1 the hooks run at the first step)
 
-Why this order: TP distribution replaces modules, so everything that names parameters (the
-partition's tensor placement, materialisation, sharding, the FP16 cast) comes after it; the
-pipeline partition is decided twice with the same inputs, on the meta model at wrap (step 1:
-which units this stage materialises) and by the engine at the first step (step 6), which
-refuses a different one.
+Design notes: docs/internals.md, "Why parallelize.py runs its steps in this order".
 """
 
 from __future__ import annotations

@@ -11,34 +11,7 @@ the same collectives in the same order even if its hooks fire in another. `finis
 the step) launches what is left (parameters without a gradient count as zeros), waits, and
 writes the results back to `.grad`.
 
-Divisors: each rank's accumulated gradient is the sum over its microbatches of d(loss_mb)
-where loss_mb is a mean over the microbatch's samples. So
-- `/ microbatches` (when average_grads_across_microbatches) makes it d(mean loss of this
-  rank's batch);
-- summing over the reduction group and dividing by the number of distinct batches that group
-  saw makes it d(mean loss of the global batch):
-  * prescaled_batch=False: every dp rank (tp*rdp of them) reads its own batch. A replicated
-    parameter's local gradient comes from the local batch only: sum over DP, divide by
-    dp_size = tp*rdp. A TP-distributed parameter (record `distributed`) sees the batches of its
-    whole TP group (smp.nn layers gather them), so its local gradient is already the sum of
-    tp batches' gradients: sum over RDP (rdp members) gives tp*rdp batches: divide by dp_size.
-  * prescaled_batch=True: the ranks of one TP group read the same batch (data sharded by
-    rdp_rank). A distributed parameter's gradient is that one batch's: sum over RDP, divide
-    by rdp_size. Replicated computation runs on a 1/tp slice of the shared batch per TP rank
-    (smp.nn layers split it), i.e. tp*rdp distinct slices: sum over DP, divide by dp_size.
-`backward_passes_per_step=k`: reduction happens on every k-th step only; the steps in between
-accumulate into `.grad` unreduced (like DDP's no_sync), and the sum is not divided by k.
-Accumulating over synchronising steps (k = 1, no zero_grad between) gives the same sum:
-before such a step's first backward, DistributedModel turns the held, already reduced
-gradients back into a local sum (times microbatches; a tied weight's sum kept on one stage;
-grad_sync.py).
-
-A group of one rank (dp = 1) has nothing to exchange: its buckets own no flat buffer, and a
-bucket's "launch" only divides the gradients in place (one multi-tensor kernel, and none when
-the divisor is 1), so `.grad` keeps its storage (the exact fp16 path's flat buffer views,
-the fused path's autograd tensors) and the step costs no extra pass over the gradients and
-no extra memory. When every group has
-one rank no hooks are registered at all: `finish()` does the divisions after backward.
+Design notes: docs/internals.md, "Gradient reduction: divisors, accumulation, groups of one".
 """
 
 from __future__ import annotations

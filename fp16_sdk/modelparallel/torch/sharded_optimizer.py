@@ -24,19 +24,7 @@ The inner torch optimizer sees one flat fp32 tensor per bucket (the slice), so i
     step           the inner optimizer steps `master`
     copy_to_model  flat[slice] = master; all_gather_single(flat, flat[slice]) in place
 
-Why not torch.distributed.optim.ZeroRedundancyOptimizer: it partitions whole parameters of
-the model's own dtype and steps them in that dtype, so fp16 models would step fp16 weights
-(no fp32 masters), its partition is by parameter (uneven, ±1 parameter instead of ±1 bucket),
-it all-reduces full gradients (no reduce-scatter), and its state_dict consolidates on one
-rank. The flat slices here keep the loss-scaler/clipping maths of DistributedOptimizer.
-
-The inner optimizer must be elementwise (each element's update depends on that element
-only), because a slice cuts parameters anywhere: torch's SGD, Adam, AdamW, Adamax, NAdam,
-RAdam, Adagrad, RMSprop, Rprop. Others (LAMB's per-tensor trust ratio, LBFGS) are refused.
-
-Checkpoints (`layout()` / `reshard_state`): each rank saves its slice; the slices of all
-saved ranks concatenated are the bucket's full flat state (the layout inside a bucket does
-not depend on rdp, only the trailing padding does), so a checkpoint loads into another rdp.
+Design notes: docs/internals.md, "Sharded optimizer state: why not ZeroRedundancyOptimizer, elementwise optimizers, checkpoints".
 """
 
 from __future__ import annotations

@@ -22,23 +22,7 @@ materialised by replaying each module's init, unit by unit.
 parallelize.py calls these in order and hands in what the pipeline and the sharding decide;
 this package imports neither.
 
-Why realise-then-shard and not torch's documented meta route for FSDP2 (fully_shard on meta,
-`to_empty`, then init per shard): an init applied per shard cannot reproduce eager values
-(kaiming/normal draws are made over the whole tensor in one RNG stream, and fan-in comes from
-the whole shape), and reproducing eager creation with the same seed is the contract here.
-`to_empty` itself is not used because it re-allocates a whole subtree at once (including
-tied parameters owned elsewhere) and the placeholder objects must survive (an optimizer may
-hold them); `p.data = torch.empty(...)` per parameter is the allocation.
-
-Limits (refused by name): a module with meta parameters and neither reset_parameters() nor a
-transformers post_init (`nn.Parameter(torch.randn(n))` in a plain __init__) cannot be
-reproduced; pipeline_parallel_degree > 1 with tensor_parallel_degree > 1 (the partition is
-decided on the tensor-parallel model, whose shapes exist only after TP distribution); a
-pipeline model whose forward uses another stage's parameter outside that stage's modules
-(a tie the partition cannot see before the trace) fails at the first step with an error
-naming the key. Random buffers are not agreed between ranks (eager creation broadcasts rank
-0's): use the same seed on every rank. The script's RNG state is restored after each
-realisation, so wrap-time draws (smp.nn layers built by TP distribution) match eager.
+Design notes: docs/internals.md, "Delayed initialization: why realise-then-shard, and its limits".
 """
 
 from .creation import meta_parameters, not_delayed

@@ -15,27 +15,7 @@ function):
 The actions and `messages()` are actions.py's (the simulator reads them too); this module
 builds the lists.
 
-Sends never block (isend, waited at the end of the step); a receive blocks until its message
-is there. Messages between one pair of ranks are matched in the order they were posted (NCCL
-has no tags), so the builders place every `O` where the last stage's sends to that stage
-come in the same order as the receives: `simulate.check_schedule` proves it for every list.
-
-Builders:
-- `simple_schedule(p, m)`: GPipe, all forwards then all backwards (active_microbatches does not
-  apply: every microbatch is in flight between the two phases, as in GPipe).
-- `interleaved_schedule(p, m, active)`: 1F1B. Stage s runs `w_s = min(p-s-1, active-1, m)`
-  warm-up forwards, then alternates one forward and one backward, then drains the backwards.
-  At most `w_s + 1 <= active` microbatches are in flight on stage s.
-Both have the bubble `(p-1)/(m+p-1)` when active >= p (see simulate.py).
-
-Forward-only steps (evaluation; the rule is in step.py) have no B actions:
-- `forward_only_schedule(p, m)`: F0..F(m-1) on every stage, each non-last stage taking O(k)
-  once the last stage has had time to compute it (after its own F(k + p-1-s)); bubble
-  `(p-1)/(m+p-1)` in units of t_f.
-- `switch_to_forward_only(schedule)`: a training list that turns forward-only at its first
-  backward, which is B0 on every stage and list: B0 stays (its message carries the decision
-  upstream), every later B goes. Dropping actions only removes waits, and the outputs keep
-  their order on each channel; the simulator checks both lists anyway.
+Design notes: docs/internals.md, "Pipeline schedules: message order, builders, forward-only steps".
 """
 
 from __future__ import annotations

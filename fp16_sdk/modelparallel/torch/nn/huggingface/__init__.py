@@ -1,44 +1,6 @@
 """Tensor parallelism for Hugging Face transformer models (`smp.nn.huggingface.<arch>`).
 
-Mechanism: each supported HF block (GPT2Block, GPTJBlock, GPTNeoXLayer, BertLayer,
-RobertaLayer, LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer) is split *in place*,
-Megatron-style: its q/k/v and MLP-in projections become column-parallel, its attention-out and
-MLP-out projections row-parallel (`_shard.ShardedLinear`, same parameter names and layout as
-the HF Linear/Conv1D, holding this rank's slice), and the attention module's head counts are
-divided by tp, so HF's own forward code runs on this rank's heads. smp v1 instead translates
-whole blocks into its DistributedTransformerLayer; we keep HF's forward because it keeps every
-HF feature (padding and causal masks, past_key_values / Cache, rotary and partial rotary,
-grouped-query attention, parallel residual, cross attention, sdpa/eager attention choice,
-gradient checkpointing) without re-implementing each architecture, and because the state-dict
-keys stay HF's, so translation is slicing and gathering only. The forward equals the unsplit
-model's up to summation order (the row-parallel all-reduce). Refused with a clear error:
-head_mask, output_attentions=True, BERT relative position embeddings, Llama pretraining_tp > 1,
-any Linear inside a block this code does not know.
-
-Versions: an architecture the installed transformers lacks (Mistral before 4.34, Qwen2 before
-4.37, Llama before 4.28) is simply not offered (`_shard.installed_blocks`), and nothing here is
-imported for a model that is not a Hugging Face one (AWS's GPT scripts pin 4.21; tested on 4.28,
-4.46 and 4.57).
-
-Batch (prescaled_batch False, smp's default): each TP rank brings its own rows; a split block
-gathers the TP group's rows at its entry and hands each rank its own rows back at its exit
-(one all-gather forward and one backward per block beyond Megatron's two all-reduces). Its
-parameters are then "scaled batch" ones (reduced over RDP); embeddings, final norm and LM head
-stay whole and see the local rows (reduced over DP), exactly like smp's DistributedTransformer
-inside an HF model. With prescaled_batch True nothing is gathered.
-
-When: at DistributedModel wrap time (nn/auto.py `distribute_tensor_parallel`, tp > 1), for
-blocks created under `smp.model_creation(tensor_parallelism=True)` / `smp.tensor_parallelism()`
-(or marked with `smp.set_tensor_parallelism`), and for blocks no creation context recorded at
-all (a model built outside any context, e.g. by the HF Trainer). A block created with tensor
-parallelism disabled, or whose class the user registered with `smp.tp_register_with_module`,
-is left to the generic code.
-
-Checkpoints: `DistributedModel.state_dict()` gathers the shards into HF's layout (fused q|k|v
-parts re-interleaved); `smp.state.module_manager.translate_functions` gets one
-(smp_to_hf, hf_to_smp) pair per split HF model, which transformers' `save_pretrained` applies
-under smp (smp_to_hf gathers tensors that have this rank's shard shape: every TP rank must call
-`save_pretrained` on the module then; a state_dict from `model.state_dict()` needs nothing).
+Design notes: docs/internals.md, "Tensor parallelism for Hugging Face models".
 """
 
 from __future__ import annotations
@@ -77,7 +39,8 @@ def supported_blocks() -> dict[type, Arch]:
 
 def distribute_hf_blocks(root: nn.Module, *, lookup: Callable[[nn.Module], "dict | None"],
                          tp_context: TPContext) -> list[str]:
-    """Split every TP-enabled supported HF block under root in place (see the module doc).
+    """Split every TP-enabled supported HF block under root in place (the mechanism:
+    docs/internals.md).
 
     Args:
         root: the model given to DistributedModel.
