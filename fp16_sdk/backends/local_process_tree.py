@@ -8,7 +8,6 @@ found through /proc (Linux).
 from __future__ import annotations
 
 import os
-import signal
 import socket
 
 __all__ = ["TOKEN_VAR", "free_port", "pids_with_token", "send_signal"]

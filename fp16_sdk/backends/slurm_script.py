@@ -150,7 +150,7 @@ def batch_script(*, job_name: str, nodes: int, max_run: int, options: SlurmOptio
         f"export {contract.HOST_ADDRESSES_VAR}=\"$HOSTS_JSON\"",
         f"export {contract.MASTER_PORT_VAR}=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
         f"export {contract.STOP_GRACE_VAR}={q(f'{stop_grace_s:g}')}",
-        f'echo "fp16_sdk: attempt $ATTEMPT of job $SLURM_JOB_ID on $SLURM_JOB_NODELIST"',
+        'echo "fp16_sdk: attempt $ATTEMPT of job $SLURM_JOB_ID on $SLURM_JOB_NODELIST"',
         srun,
         "RC=$?",
         'echo "fp16_sdk: srun ended with status $RC"',

@@ -381,7 +381,8 @@ class DistributedOptimizer:
         if state.topology is None or state.topology.mp == 1:
             return local
         from . import comm
-        return {"_smp_is_partial": False, "mp_rank_states": comm.allgather(local, comm.CommGroup.MP_GROUP)}
+        states = comm.allgather(local, comm.CommGroup.MP_GROUP)
+        return {"_smp_is_partial": False, "mp_rank_states": states}
 
     def load_state_dict(self, state_dict: dict, gather_if_shard: bool = False) -> None:
         """Restore what state_dict()/local_state_dict() produced (or a plain torch state dict).

@@ -24,7 +24,8 @@ The inner torch optimizer sees one flat fp32 tensor per bucket (the slice), so i
     step           the inner optimizer steps `master`
     copy_to_model  flat[slice] = master; all_gather_single(flat, flat[slice]) in place
 
-Design notes: docs/internals.md, "Sharded optimizer state: why not ZeroRedundancyOptimizer, elementwise optimizers, checkpoints".
+Design notes: docs/internals.md, "Sharded optimizer state: why not
+ZeroRedundancyOptimizer, elementwise optimizers, checkpoints".
 """
 
 from __future__ import annotations

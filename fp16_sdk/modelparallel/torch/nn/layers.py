@@ -92,7 +92,8 @@ class DistributedModule(nn.Module):
         """Gather the TP group's micro-batches (outermost module, prescaled_batch False)."""
         if not self._gathers_batch():
             return obj
-        return _map_tensors(obj, lambda t: gather_batch_from_tensor_parallel_group(t, self.tp.group))
+        group = self.tp.group
+        return _map_tensors(obj, lambda t: gather_batch_from_tensor_parallel_group(t, group))
 
     def _exit(self, obj: Any) -> Any:
         """Hand each TP rank its own rows of the outputs again."""

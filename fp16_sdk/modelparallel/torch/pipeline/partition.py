@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 
 from ..delayed_init import full_numel  # delayed init's placeholders count as created

@@ -137,12 +137,3 @@ def wrap_line(figures: dict, module: nn.Module) -> str:
             f"{figures['sharded']} elements sharded, {figures['persistent']} kept whole; this "
             f"rank holds {here / 2**20:.1f} MiB of the model's {full / 2**20:.1f} MiB of "
             f"parameters at rest; at most {figures['largest_unit']} elements gathered at once")
-
-
-def wrap_line(figures: dict, module: nn.Module) -> str:
-    """Logged once the model is sharded: units and the bytes this rank holds at rest."""
-    here, full = parameter_bytes(module)
-    return (f"sharded data parallelism: {figures['units']} units (layers + root), "
-            f"{figures['sharded']} elements sharded, {figures['persistent']} kept whole; this "
-            f"rank holds {here / 2**20:.1f} MiB of the model's {full / 2**20:.1f} MiB of "
-            f"parameters at rest; at most {figures['largest_unit']} elements gathered at once")
