@@ -22,6 +22,8 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   rank's rows and the single-process reference step, for the pp x tp tests.
 - `pipeline_data`: a tiny Hugging Face GPT-2 (`tiny_gpt2`) and the pp=2 tests' batches.
 - `files`: `load_module(path)`, a script or tool file loaded as a module.
+- `cross_entropy`: `fp32_cross_entropy`, the fp32 reference of the fused cross-entropy tests
+  (unit and gpu tiers; imports torch).
 - `slurm_cluster`: the real Slurm cluster in containers (.ci/slurm-cluster.sh), the session
   fixture `slurm_cluster` -> `SlurmCluster` (controller, nodes, shared folder, submit commands).
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
