@@ -173,3 +173,20 @@ def test_a_waiting_backward_wakes_when_the_step_turns_forward_only():
     error = _backward_in(bodies, kind, lambda: bodies.set_forward_only("decided at B0"))
     assert isinstance(error, StepError) and "(decided at B0)" in str(error)
     assert kind.forward_only is True and bodies.kind is kind
+
+
+def test_step_inputs_move_to_the_rank_device_inside_containers():
+    """CPU tensors go to the rank's device (the meta device stands in for a GPU here), inside
+    lists, named tuples and mappings; other objects and tensors already elsewhere stay."""
+    import collections
+
+    from fp16_sdk.modelparallel.torch.step import to_step_device
+
+    Pair = collections.namedtuple("Pair", "a b")
+    marker = object()
+    already = torch.empty(2, device="meta")
+    moved = to_step_device({"ids": torch.ones(2, 3), "pair": Pair(torch.zeros(1), marker),
+                            "list": [already, 3]}, torch.device("meta"))
+    assert moved["ids"].device.type == "meta" and moved["ids"].shape == (2, 3)
+    assert isinstance(moved["pair"], Pair) and moved["pair"].a.device.type == "meta"
+    assert moved["pair"].b is marker and moved["list"][0] is already and moved["list"][1] == 3

@@ -6,6 +6,10 @@ sets are split element by element; an object with `smp_slice(num_mb, mb, axis)` 
 that method; anything else (the model, the optimizer, ints, strings) is passed to every
 microbatch unchanged, as are arguments named in `non_split_inputs`.
 
+Device: on a GPU rank, CPU tensors among the arguments (also inside lists, tuples and
+mappings) are moved to the rank's device first, split or not, as smp v1 does: AWS's
+train_gpt_simple.py hands its DataLoader's CPU batches to its step functions unmoved.
+
 Outputs: tensors (also nested in list/tuple/dict or a dict-like model output) become
 `StepOutput`s holding one tensor per microbatch; other values (Python scalars...) come back as
 per-microbatch lists; None stays None.
@@ -153,6 +157,18 @@ def split_microbatches(obj: Any, num_mb: int, axis: int = 0, name: str = "input"
     return [obj] * num_mb
 
 
+def to_step_device(obj: Any, device: torch.device) -> Any:
+    """`obj` with its CPU tensors (also inside lists, tuples and mappings) on `device`; other
+    tensors and objects as they are (an object with `smp_slice` places its own tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device) if obj.device.type == "cpu" else obj
+    if isinstance(obj, (list, tuple)):
+        return _rebuild(obj, [to_step_device(v, device) for v in obj])
+    if isinstance(obj, Mapping):
+        return _rebuild_mapping(obj, {k: to_step_device(v, device) for k, v in obj.items()})
+    return obj
+
+
 # ---- collecting outputs -------------------------------------------------------------------
 def _collect(per_mb: list, detach: bool, where: str = "output") -> Any:
     first = per_mb[0]
@@ -219,6 +235,9 @@ class _StepFunction:
         return [(tuple(a), k) for a, k in per_mb]
 
     def _split_one(self, label: str, pname: str, value: Any, num_mb: int) -> list:
+        device = state.device
+        if device is not None and device.type != "cpu":
+            value = to_step_device(value, device)
         if pname in self.non_split or num_mb == 1:
             return [value] * num_mb
         return split_microbatches(value, num_mb, self.axes.get(pname, 0), label)
