@@ -47,7 +47,7 @@ from .fp16.module import BF16Module, FP16Module
 from .memory_report import wrap_line as delayed_wrap_line
 from .nn.auto import distribute_tensor_parallel
 from .pipeline.engine import PipelineEngine, PipelineSettings
-from .pipeline.partition import Partition, auto_partition, manual_partition
+from .pipeline.partition import Partition
 from .pipeline.stage_params import held_before_trace
 from .state import state
 
@@ -157,11 +157,7 @@ class ParallelPlan:
 
 def _decide_partition(module: nn.Module) -> Partition:
     """The partition the engine will decide at the first step, from the same settings."""
-    s = PipelineSettings.from_state()
-    if s.auto_partition:
-        return auto_partition(module, s.num_stages, s.memory_weight)
-    return manual_partition(module, s.num_stages, recorded=s.recorded,
-                            default=s.default_partition)
+    return PipelineSettings.from_state().partition(module)
 
 
 def _half_wrapper(module: nn.Module) -> nn.Module:

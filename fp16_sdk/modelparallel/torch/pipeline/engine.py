@@ -79,6 +79,14 @@ class PipelineSettings:
                    default_partition=cfg.default_partition, rank=state.rank,
                    recorded=lambda m: (state.creation.get(m) or {}).get("partition"))
 
+    def partition(self, module: nn.Module) -> Partition:
+        """The partition these settings give `module` (the engine's at the first step, and
+        delayed init's at wrap, which must be the same)."""
+        if self.auto_partition:
+            return auto_partition(module, self.num_stages, self.memory_weight)
+        return manual_partition(module, self.num_stages, recorded=self.recorded,
+                                default=self.default_partition)
+
 
 @contextlib.contextmanager
 def _unchanged(module: nn.Module):
@@ -119,11 +127,7 @@ class PipelineEngine:
         self.module: nn.Module = model.get_module()
         self.module.to(s.device)
         self.channel = TensorChannel(s.group, s.device, s.failure)
-        if s.auto_partition:
-            self.partition: Partition = auto_partition(self.module, s.num_stages, s.memory_weight)
-        else:
-            self.partition = manual_partition(self.module, s.num_stages,
-                                              recorded=s.recorded, default=s.default_partition)
+        self.partition: Partition = s.partition(self.module)
         if hooks is not None:
             hooks.check_partition(self.partition)  # delayed init realised this one
         mark_stages(self.module, self.partition)
