@@ -27,6 +27,8 @@ def parse_args():
     p.add_argument("--num_layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256, help="embedding rows (the corpus uses 256)")
+    p.add_argument("--save_model", type=int, default=1, help="0: no model.pt in model.tar.gz")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--log_every", type=int, default=5)
@@ -122,7 +124,7 @@ def main():
     fp16 = smp.state.cfg.fp16
 
     tokens = load_tokens(args.seq_len)
-    vocab = 256
+    vocab = args.vocab
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1,
                             dtype=torch.float16 if fp16 else torch.get_default_dtype()):
         model = smp.nn.DistributedTransformerLMHead(
@@ -140,7 +142,8 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(
         optimizer.optimizer if fp16 else optimizer, step_size=max(1, args.steps // 2), gamma=0.5)
 
-    start_step, history = 0, {"step": [], "loss": [], "loss_scale": [], "skipped": []}
+    start_step, history = 0, {"step": [], "loss": [], "loss_scale": [], "skipped": [],
+                              "time": []}
     ckpt_dir = checkpoint_dir()
     if ckpt_dir and os.path.exists(os.path.join(ckpt_dir, "newest")):
         user = smp.resume_from_checkpoint(ckpt_dir, partial=True)
@@ -176,6 +179,7 @@ def main():
         history["loss"].append(float(loss))
         history["loss_scale"].append(float(optimizer.loss_scale) if fp16 else 1.0)
         history["skipped"].append(int(overflow))
+        history.setdefault("time", []).append(time.time())  # the step's end, wall clock
         if smp.rank() == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             tps = tokens_seen / (time.time() - t0)
             print(f"step {step + 1} loss {float(loss):.4f} loss_scale "
@@ -187,9 +191,10 @@ def main():
                                 user_content={"step": step + 1, "history": history,
                                               "lr_scheduler": scheduler.state_dict()})
 
-    state = model.state_dict()  # gathered from every stage and TP rank
+    state = model.state_dict() if args.save_model else None  # gathered from every rank
     if smp.rank() == 0:
-        torch.save(state, os.path.join(os.environ.get("SM_MODEL_DIR", "."), "model.pt"))
+        if args.save_model:
+            torch.save(state, os.path.join(os.environ.get("SM_MODEL_DIR", "."), "model.pt"))
         out = os.environ.get("SM_OUTPUT_DATA_DIR", ".")
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(history, f)

@@ -13,8 +13,10 @@ The job runs in the training image exactly as SageMaker runs it, driven through 
   at /opt/ml/input/data/<channel>; the
   checkpoint folder (`checkpoint_s3_uri` or `checkpoint_local_path`, a folder here) at
   /opt/ml/checkpoints of every host;
-- GPUs through a DeviceRequest: all of them for one instance, else `processes_per_host`
-  distinct GPUs per container; /dev/shm sized for DataLoader workers and NCCL;
+- GPUs (`local_gpu`) through NVIDIA's runtime, a CDI spec, or the device nodes and driver
+  libraries mapped by the SDK, whichever the engine allows (`local_docker_gpu`): all of them
+  for one instance, else `processes_per_host` distinct GPUs per container; /dev/shm sized for
+  DataLoader workers and NCCL;
 - every resource the job creates carries the label `fp16_sdk.job=<job>`;
 - nothing survives this process: before creating anything the job starts a watchdog
   (`local_docker_reaper`) that removes everything labelled with the job when this process dies,
@@ -35,10 +37,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,15 +48,20 @@ from fp16_sdk import contract
 from fp16_sdk import image as images
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import Backend, Channel, JobSpec, refuse_unknown_options
+from fp16_sdk.backends.local_docker_gpu import (GpuAccess, GpuEdits, assign_gpus,
+                                                choose_gpu_access)
 from fp16_sdk.backends.local_docker_job import (ENDING_GRACE_S, LABEL_HOST, LABEL_JOB, DockerJob,
                                                 job_labels)
 from fp16_sdk.backends.local_docker_reaper import Reaper, engine_url, prune_quietly
 from fp16_sdk.backends.local_lifeline import CONTAINER_DIR, CONTAINER_PATH, HostLifelines
+from fp16_sdk.backends.local_process_tree import free_port
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.packaging import safe_extract
 
 __all__ = ["LocalDockerBackend", "DockerOptions", "OPTIONS", "LABEL_JOB",
            "LABEL_HOST", "container_name", "network_name", "gpu_requests"]
+
+log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 OPTIONS = {
@@ -65,7 +72,11 @@ OPTIONS = {
     "keep_job_dir": "True: keep <output_path>/<job>/hosts after the job (default False)",
     "stop_timeout": "seconds between SIGTERM and SIGKILL when containers are stopped (default "
                     "10); the toolkit inside sends its own SIGKILL to the script 2 s before",
+    "network": "'bridge' (default: a network per job, hosts reach each other as algo-N) or "
+               "'host' (one instance only: the container shares this machine's network, as "
+               "SageMaker's own instances run it; for engines without bridge networking)",
 }
+NETWORKS = ("bridge", "host")
 _SIZE = re.compile(r"^(\d+)([bkmg]?)$", re.IGNORECASE)
 # The toolkit in a container stops its job this long after max_run: while this process lives,
 # it stops the job first (at max_run) and reports MaxRuntimeExceeded itself.
@@ -88,6 +99,7 @@ class DockerOptions:
     pass_aws_credentials: bool = False
     keep_job_dir: bool = False
     stop_timeout: int = 10
+    network: str = "bridge"
 
     @classmethod
     def parse(cls, options: Mapping[str, Any], *, instance_count: int,
@@ -105,9 +117,19 @@ class DockerOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
             raise ConfigError(f"backend_options['stop_timeout']={timeout!r} must be an integer "
                               "number of seconds >= 0", key="stop_timeout", value=timeout)
+        network = options.get("network", "bridge")
+        if network not in NETWORKS:
+            raise ConfigError(f"backend_options['network']={network!r} must be 'bridge' or "
+                              "'host'", key="network", value=network)
+        if network == "host" and instance_count > 1:
+            raise ConfigError(f"backend_options['network']='host' runs one instance only (the "
+                              f"hosts would share one network name); instance_count is "
+                              f"{instance_count}: use 'bridge' or instance_count=1",
+                              key="network", value=network)
         return cls(shm_size=shm_bytes,
                    pass_aws_credentials=options.get("pass_aws_credentials", False),
-                   keep_job_dir=options.get("keep_job_dir", False), stop_timeout=timeout)
+                   keep_job_dir=options.get("keep_job_dir", False), stop_timeout=timeout,
+                   network=network)
 
 
 def _parse_size(value: Any) -> int:
@@ -122,46 +144,10 @@ def _parse_size(value: Any) -> int:
 
 def gpu_requests(instance_count: int, processes_per_host: int | None,
                  gpu_total: int | None) -> list[Any]:
-    """One DeviceRequest per host: all GPUs for a single host, else disjoint GPU ids.
-
-    Host i (0-based) of N gets GPUs [i*P, (i+1)*P) where P = processes_per_host, or
-    gpu_total // N when processes_per_host is unset and the GPU count is known.
-
-    Raises:
-        ConfigError: more GPUs asked for than the machine has, or P unknown for N > 1.
-    """
-    from docker.types import DeviceRequest
-
-    per_host = processes_per_host
-    if per_host is not None and gpu_total is not None and per_host * instance_count > gpu_total:
-        raise ConfigError(
-            f"processes_per_host ({per_host}) x instance_count ({instance_count}) = "
-            f"{per_host * instance_count} GPUs, but this machine has {gpu_total}: lower "
-            "processes_per_host or instance_count", key="processes_per_host", value=per_host)
-    if instance_count == 1:
-        return [DeviceRequest(count=per_host or -1, capabilities=[["gpu"]])]
-    if per_host is None:
-        if not gpu_total or gpu_total < instance_count:
-            raise ConfigError(
-                f"local_gpu with instance_count={instance_count} splits the GPUs between the "
-                f"containers, but the GPU count is {gpu_total or 'unknown'}: set "
-                "distribution={'mpi': {'enabled': True, 'processes_per_host': <GPUs per "
-                "container>}}", key="processes_per_host", value=None)
-        per_host = gpu_total // instance_count
-    return [DeviceRequest(device_ids=[str(i * per_host + k) for k in range(per_host)],
-                          capabilities=[["gpu"]]) for i in range(instance_count)]
-
-
-def _count_gpus() -> int | None:
-    """GPUs on this machine (nvidia-smi -L), None when that cannot be told."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    """One NVIDIA-runtime DeviceRequest per host (`local_docker_gpu.assign_gpus`'s split)."""
+    access = GpuAccess("nvidia-runtime", gpu_count=gpu_total)
+    return [access.edits(ids).device_requests[0]
+            for ids in assign_gpus(instance_count, processes_per_host, gpu_total)]
 
 
 def toolkit_grace_s(stop_timeout: int) -> float:
@@ -192,7 +178,7 @@ class LocalDockerBackend(Backend):
     """Runs a `JobSpec` as one container per instance on this machine's Docker engine.
 
     Args:
-        gpu: `local_gpu` (GPUs through DeviceRequests, the GPU image by default).
+        gpu: `local_gpu` (GPUs as `local_docker_gpu` finds them, the GPU image by default).
         client: a docker.DockerClient (default: `fp16_sdk.image.connect()`).
     """
 
@@ -225,23 +211,36 @@ class LocalDockerBackend(Backend):
             DockerUnavailableError, ImageNotFoundError, BackendError, ConfigError: a
                 precondition failed; nothing was created.
         """
-        if self.gpu:
-            self._check_gpu_runtime()
-        job = self.create(spec)
+        job = self.create(spec, gpu_access=self.gpu_access() if self.gpu else None)
         job.start()
         return job
 
-    def create(self, spec: JobSpec) -> DockerJob:
+    def gpu_access(self) -> GpuAccess:
+        """How this engine's containers reach the GPUs (`local_docker_gpu`), logged.
+
+        Raises:
+            BackendError: no GPU can be reached; nothing was created.
+        """
+        access = choose_gpu_access(self.client.info(), local_engine=_engine_is_local(self.client))
+        log.info("local_gpu: GPUs through %s", access.describe())
+        return access
+
+    def create(self, spec: JobSpec, *, gpu_access: GpuAccess | None = None) -> DockerJob:
         """Everything `submit` does except starting the containers (inspect them, then
-        `job.start()` or `job.discard()`). Skips the NVIDIA runtime check, so a `local_gpu`
-        configuration can be inspected on a machine without GPUs."""
+        `job.start()` or `job.discard()`). A `local_gpu` backend needs `gpu_access` (from
+        `gpu_access()`, or made by hand to inspect a configuration on a machine without GPUs).
+        """
+        if self.gpu and gpu_access is None:
+            raise BackendError("LocalDockerBackend(gpu=True).create needs gpu_access: call "
+                               "gpu_access() first, or submit()")
         prune_quietly(self.client, grace=ENDING_GRACE_S)  # what jobs of dead SDKs left
         image, options = self._preflight(spec)
         jd = lc.job_dir(spec)
         hps = dict(spec.hyperparameters)
         hps["sagemaker_submit_directory"] = json.dumps("/opt/ml/code")
         trees = {host: lc.lay_out_host(spec, host, root=jd / "hosts" / host,
-                                       network_interface_name="eth0", hyperparameters=hps,
+                                       network_interface_name=_interface(options),
+                                       hyperparameters=hps,
                                        link_data=False) for host in spec.hosts}
         for tree in trees.values():
             safe_extract(spec.sourcedir, tree.code)
@@ -256,17 +255,20 @@ class LocalDockerBackend(Backend):
             job.reaper = Reaper(spec.job_name, base_url=engine_url(self.client),
                                 grace=min(options.stop_timeout, ENDING_GRACE_S))
             job.lifelines = HostLifelines(jd / "lifeline", spec.hosts)
-            job.network = self.client.networks.create(
-                network_name(spec.job_name), driver="bridge", labels=job_labels(spec.job_name),
-                check_duplicate=True, internal=spec.enable_network_isolation)
-            requests = gpu_requests(spec.instance_count, spec.processes_per_host,
-                                    _count_gpus()) if self.gpu else [None] * spec.instance_count
+            if options.network == "bridge":
+                job.network = self.client.networks.create(
+                    network_name(spec.job_name), driver="bridge",
+                    labels=job_labels(spec.job_name), check_duplicate=True,
+                    internal=spec.enable_network_isolation)
+            shares = ([gpu_access.edits(ids) for ids in assign_gpus(
+                spec.instance_count, spec.processes_per_host, gpu_access.gpu_count)]
+                if gpu_access is not None else [None] * spec.instance_count)
             env = self._environment(spec, options)
             with concurrent.futures.ThreadPoolExecutor(len(spec.hosts)) as pool:
                 made = pool.map(lambda a: (a[0], self._create_container(spec, a[0], a[1], image=image,
                                            env=env, options=options, store=store,
                                            lifeline=job.lifelines.mount_source(a[0]))),
-                                zip(spec.hosts, requests))
+                                zip(spec.hosts, shares))
                 job.containers.update(made)
         except BaseException as exc:
             job.discard()
@@ -308,26 +310,18 @@ class LocalDockerBackend(Backend):
                                f"`docker network rm {net}` or pick another job_name")
         return image, options
 
-    def _check_gpu_runtime(self) -> None:
-        runtimes = self.client.info().get("Runtimes") or {}
-        hooks = ("nvidia-container-runtime-hook", "nvidia-container-runtime", "nvidia-ctk")
-        if "nvidia" in runtimes or any(shutil.which(h) for h in hooks):
-            return
-        raise BackendError(
-            "instance_type='local_gpu' needs the NVIDIA Container Toolkit on the Docker host "
-            f"(the engine's runtimes are {sorted(runtimes)}): install nvidia-container-toolkit, "
-            "run `sudo nvidia-ctk runtime configure --runtime=docker`, restart dockerd, and check "
-            "`docker run --rm --gpus all <image> nvidia-smi`; or use instance_type='local'")
-
     # ---- container configuration -------------------------------------------------------
 
     def _environment(self, spec: JobSpec, options: DockerOptions) -> dict[str, str]:
-        env = {contract.JOB_NAME_VAR: spec.job_name, "NCCL_SOCKET_IFNAME": "eth0",
+        env = {contract.JOB_NAME_VAR: spec.job_name, "NCCL_SOCKET_IFNAME": _interface(options),
                # Each host's address is its network alias, resolved by the engine's DNS when
                # used. Naming them here skips the toolkit's wait until every host resolves:
                # all containers are started before submit() returns, and a host that already
                # finished drops out of DNS, so that wait could block the slower hosts.
-               contract.HOST_ADDRESSES_VAR: json.dumps({h: h for h in spec.hosts})}
+               contract.HOST_ADDRESSES_VAR: json.dumps(
+                   {h: h if options.network == "bridge" else "127.0.0.1" for h in spec.hosts})}
+        if options.network == "host":  # the machine's ports are shared: a free one, not 7777
+            env[contract.MASTER_PORT_VAR] = str(free_port())
         env.update(spec.environment)
         # The toolkit inside escalates SIGTERM -> SIGKILL on its own tree before the engine
         # kills the container, so it still stops its workers and writes its failure file.
@@ -356,24 +350,47 @@ class LocalDockerBackend(Backend):
             mounts.append(Mount("/opt/ml/checkpoints", str(store), type="bind"))
         return mounts
 
-    def _create_container(self, spec: JobSpec, host: str, device_request: Any, *, image: str,
+    def _create_container(self, spec: JobSpec, host: str, gpus: GpuEdits | None, *, image: str,
                           env: Mapping[str, str], options: DockerOptions,
                           store: Path | None, lifeline: Path) -> Any:
         from docker.types import Ulimit
 
         net = network_name(spec.job_name)
-        gpu_extra = {} if device_request is None else {
-            "device_requests": [device_request],
+        mounts = self._mounts(spec, host, store, lifeline)
+        gpu_extra: dict[str, Any] = {"environment": dict(env)}
+        if gpus is not None:
+            gpu_extra = gpus.create_kwargs(environment=env, image_env=_image_env(self.client,
+                                                                                 image))
+            mounts += gpu_extra.pop("mounts", [])
             # NVIDIA's advice for PyTorch/NCCL containers: pinned memory and deep stacks.
-            "ulimits": [Ulimit(name="memlock", soft=-1, hard=-1),
-                        Ulimit(name="stack", soft=64 << 20, hard=64 << 20)]}
+            gpu_extra["ulimits"] = [Ulimit(name="memlock", soft=-1, hard=-1),
+                                    Ulimit(name="stack", soft=64 << 20, hard=64 << 20)]
+        if options.network == "host":  # SageMaker's instances: no name of its own, no DNS
+            where: dict[str, Any] = {"network_mode": "host"}
+        else:
+            where = {"hostname": host, "network": net, "networking_config": {
+                net: self.client.api.create_endpoint_config(aliases=[host])}}
         return self.client.containers.create(
-            image, ["train"], name=container_name(spec.job_name, host), hostname=host,
-            labels={**job_labels(spec.job_name), LABEL_HOST: host}, environment=dict(env),
-            mounts=self._mounts(spec, host, store, lifeline), shm_size=options.shm_size, init=True,
-            network=net, networking_config={
-                net: self.client.api.create_endpoint_config(aliases=[host])},
-            stop_signal="SIGTERM", **gpu_extra)
+            image, ["train"], name=container_name(spec.job_name, host),
+            labels={**job_labels(spec.job_name), LABEL_HOST: host},
+            mounts=mounts, shm_size=options.shm_size, init=True,
+            stop_signal="SIGTERM", **where, **gpu_extra)
+
+
+def _interface(options: DockerOptions) -> str:
+    """The containers' network interface (NCCL_SOCKET_IFNAME, resourceconfig.json): the job
+    network's eth0, or loopback for the one host of a host-network job."""
+    return "eth0" if options.network == "bridge" else "lo"
+
+
+def _engine_is_local(client: Any) -> bool:
+    """Whether the engine runs on this machine (a unix socket), so its host paths are ours."""
+    return str(getattr(client.api, "base_url", "")) == "http+docker://localhost"  # docker-py's
+
+
+def _image_env(client: Any, image: str) -> dict[str, str]:
+    env = client.images.get(image).attrs.get("Config", {}).get("Env") or []
+    return dict(e.split("=", 1) for e in env if "=" in e)
 
 
 def _channel_source(spec: JobSpec, ch: Channel, host: str, jd: Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tarfile
 import textwrap
 import threading
@@ -23,6 +24,7 @@ import pytest
 from fp16_sdk import image as images
 from fp16_sdk.backends.base import JobSpec, JobStatus
 from fp16_sdk.backends.local_docker import DockerOptions, LocalDockerBackend, gpu_requests
+from fp16_sdk.backends.local_docker_gpu import GpuAccess, choose_gpu_access
 from fp16_sdk.backends.local_docker_job import LABEL_JOB
 from fp16_sdk.errors import (BackendError, ConfigError, DockerUnavailableError,
                              ImageNotFoundError, TrainingJobFailedError)
@@ -401,11 +403,32 @@ def _spec(tmp_path: Path, **overrides) -> JobSpec:
     return JobSpec(**fields)
 
 
+def _fake_gpu_machine(tmp_path: Path) -> GpuAccess:
+    """Device-nodes access to a made-up 4-GPU machine: character devices with /dev/null's
+    numbers (the engine needs real device nodes) and a file standing in for libcuda."""
+    if os.geteuid() != 0:
+        pytest.skip("making device nodes needs root")
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    null = os.stat("/dev/null").st_rdev
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1", "nvidia2", "nvidia3"):
+        os.mknod(dev / name, 0o666 | stat.S_IFCHR, null)
+    lib = tmp_path / "libcuda.so.580.1"
+    lib.write_text("not a driver")
+    ldconfig = f"\tlibcuda.so.1 (libc6,x86-64) => {lib}\n"
+    return choose_gpu_access({"Runtimes": {"runc": {}}}, local_engine=True, dev=str(dev),
+                             cdi_dirs=[], ldconfig_output=ldconfig)
+
+
 @pytest.mark.docker
 def test_local_gpu_container_configuration_on_the_engine(client, tmp_path):
+    """Both ways the engine is asked for GPUs: NVIDIA's DeviceRequests (configuration only:
+    this engine has no NVIDIA runtime to start them) and the SDK's own device-node mapping
+    (started: the nodes and the driver library are in the container where the loader looks)."""
     spec = _spec(tmp_path, instance_type="local_gpu", processes_per_host=2,
                  backend_options={"shm_size": "2g"}, environment={"MY_FLAG": "1"})
-    job = LocalDockerBackend(gpu=True, client=client).create(spec)
+    runtime = GpuAccess("nvidia-runtime", gpu_count=4)
+    job = LocalDockerBackend(gpu=True, client=client).create(spec, gpu_access=runtime)
     try:
         for i, host in enumerate(spec.hosts):
             attrs = client.api.inspect_container(f"{spec.job_name}-{host}")
@@ -430,14 +453,56 @@ def test_local_gpu_container_configuration_on_the_engine(client, tmp_path):
         job.discard()
     assert _leftovers(client, spec.job_name) == []
 
+    nodes = _fake_gpu_machine(tmp_path)
+    spec = _spec(tmp_path, instance_type="local_gpu", processes_per_host=2)
+    job = LocalDockerBackend(gpu=True, client=client).create(spec, gpu_access=nodes)
+    try:
+        for i, host in enumerate(spec.hosts):
+            hc = client.api.inspect_container(f"{spec.job_name}-{host}")["HostConfig"]
+            mine = sorted(d["PathInContainer"].rsplit("/", 1)[1] for d in hc["Devices"])
+            assert mine == sorted(["nvidiactl", "nvidia-uvm", f"nvidia{2 * i}",
+                                   f"nvidia{2 * i + 1}"])
+        edits = nodes.edits([2, 3])
+        kwargs = edits.create_kwargs(environment={}, image_env={})
+        out = client.containers.run(
+            IMAGE, ["sh", "-c", f"ls {' '.join(d.split(':')[1] for d in edits.devices)} && "
+                                "cat \"$LD_LIBRARY_PATH/libcuda.so.1\""],
+            remove=True, network_mode="none", **kwargs).decode()
+        assert out.endswith("not a driver") and "nvidia3" in out, out
+    finally:
+        job.discard()
+    assert _leftovers(client, spec.job_name) == []
+
 
 @pytest.mark.docker
-def test_local_gpu_without_nvidia_runtime_fails_before_creating(client, tmp_path):
-    if "nvidia" in (client.info().get("Runtimes") or {}):
-        pytest.skip("this engine has the NVIDIA runtime")
+def test_local_gpu_without_any_gpu_fails_before_creating(client, tmp_path):
+    if os.path.exists("/dev/nvidia0") or "nvidia" in (client.info().get("Runtimes") or {}):
+        pytest.skip("this machine has a GPU")
     spec = _spec(tmp_path, instance_type="local_gpu")
-    with pytest.raises(BackendError, match="NVIDIA Container Toolkit"):
+    with pytest.raises(BackendError, match="found no GPU on this machine"):
         LocalDockerBackend(gpu=True, client=client).submit(spec)
+    assert _leftovers(client, spec.job_name) == []
+    assert not (tmp_path / "out" / spec.job_name / "hosts").exists()
+
+
+@pytest.mark.docker
+def test_host_network_runs_one_instance_on_this_machines_network(client, tmp_path):
+    """backend_options={'network': 'host'}: no job network, loopback for NCCL, a free
+    rendezvous port; refused for several instances before anything is made."""
+    spec = _spec(tmp_path, instance_count=1, backend_options={"network": "host"})
+    job = LocalDockerBackend(client=client).create(spec)
+    try:
+        attrs = client.api.inspect_container(f"{spec.job_name}-algo-1")
+        env = dict(e.split("=", 1) for e in attrs["Config"]["Env"])
+        assert attrs["HostConfig"]["NetworkMode"] == "host"
+        assert env["NCCL_SOCKET_IFNAME"] == "lo" and int(env["FP16_SDK_MASTER_PORT"]) > 0
+        assert json.loads(env["FP16_SDK_HOST_ADDRESSES"]) == {"algo-1": "127.0.0.1"}
+        assert client.networks.list(names=[f"fp16-sdk-{spec.job_name}"]) == []
+    finally:
+        job.discard()
+    spec = _spec(tmp_path, backend_options={"network": "host"})
+    with pytest.raises(ConfigError, match="instance_count is 2"):
+        LocalDockerBackend(client=client).submit(spec)
     assert _leftovers(client, spec.job_name) == []
 
 
@@ -485,7 +550,7 @@ def test_backend_options_are_validated():
         assert err.value.key == key
 
 
-def test_gpu_requests_split_the_machine():
+def test_gpu_requests_split_the_machine():  # the NVIDIA runtime's form of assign_gpus
     one = gpu_requests(1, None, 8)
     assert one[0]["Count"] == -1 and one[0]["Capabilities"] == [["gpu"]]
     assert [r["DeviceIDs"] for r in gpu_requests(2, None, 8)] == \
