@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import signal
@@ -194,12 +195,18 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_docker.json"))
     args = p.parse_args()
 
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("fp16_sdk.backends.local_docker").setLevel(logging.INFO)
     hps = hyperparameters(args.preset, args.steps, save_model=False)
     options = {"network": args.network}
     work = Path(tempfile.mkdtemp(prefix="gpu_docker-"))
     result: dict = {**device_facts(), "preset": args.preset, "steps": args.steps,
                     "warmup": args.warmup, "hyperparameters": hps, "smp": SMP,
                     "network": args.network}
+    if "local_gpu" in args.modes:
+        from fp16_sdk.backends.local_docker import LocalDockerBackend
+
+        result["gpu_access"] = LocalDockerBackend(gpu=True).gpu_access().describe()
     result["import_s"] = {"host": import_times([sys.executable], args.import_runs)}
     if args.image_python:
         result["import_s"]["image"] = import_times(

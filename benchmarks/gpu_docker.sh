@@ -10,14 +10,17 @@
 #      ($WHEELHOUSE/gpu/deps: container/build_image.sh gpu --deps-only --python-version 3.12).
 #   3. bench: benchmarks/gpu_docker.py (the seed's FP16 job, local_gpu vs local_process, first
 #      step three ways, import times on the host and in the image, the SIGKILL test).
-#   4. tests: the GPU tier (tests/gpu, the container path included).
+#   4. aws: AWS's train_gpt_simple.py (aws/amazon-sagemaker-examples 198c0bd66^, unmodified;
+#      never in this repository: staged in the ignored .awsgpu/ with its wheels and a driver
+#      script) through local_gpu, a checkpoint, then a resumed job.
+#   5. tests: the GPU tier (tests/gpu, the container path included).
 # Usage (repository root, as root): bash benchmarks/gpu_docker.sh    (results under $OUT)
-#   env: PARTS (default engine,image,bench,tests), DOCKER_BUNDLE (default
+#   env: PARTS (default engine,image,bench,aws,tests), DOCKER_BUNDLE (default
 #        .dockerbin/docker.tar.xz), WHEELHOUSE (default wheelhouse), EXCLUDE (paths the base
 #        image leaves out), PRESET (1.3b), STEPS (30), OUT (benchmarks/results)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
-PARTS=",${PARTS:-engine,image,bench,tests},"
+PARTS=",${PARTS:-engine,image,bench,aws,tests},"
 WHEELHOUSE=${WHEELHOUSE:-wheelhouse}
 BUNDLE=${DOCKER_BUNDLE:-.dockerbin/docker.tar.xz}
 want() { [[ "$PARTS" == *",$1,"* ]]; }
@@ -50,7 +53,7 @@ echo "job network: $network" | tee -a "$LOG"
 
 if want image; then
     say "GPU base image from this machine's install"
-    bash container/build_gpu_base_image.sh 2>&1 | tail -5 | tee -a "$LOG" || status=1
+    EXCLUDE="${EXCLUDE-/opt/nvidia}" bash container/build_gpu_base_image.sh 2>&1 | tail -5 | tee -a "$LOG" || status=1
     say "GPU training image"
     bash container/build_image.sh gpu --no-download 2>&1 | tail -3 | tee -a "$LOG" || status=1
     docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep fp16 | tee -a "$LOG"
@@ -59,9 +62,16 @@ fi
 if want bench; then
     say "gpu_docker.py"
     timeout "${BENCH_LIMIT:-420}" python3 benchmarks/gpu_docker.py --preset "${PRESET:-1.3b}" \
-        --steps "${STEPS:-30}" --network "$network" --kill-test \
+        --steps "${STEPS:-30}" --network "$network" --kill-test --import-runs "${IMPORT_RUNS:-3}" \
         --image-python fp16-sdk-training:latest-gpu --out "$OUT/gpu_docker.json" 2>&1 \
         | grep -v Warning | tee -a "$LOG" || status=1
+fi
+
+if want aws && [[ -f .awsgpu/run_gpu.py ]]; then  # AWS's train_gpt_simple.py, carried in
+    say "AWS train_gpt_simple.py through local_gpu: train, checkpoint, resume"
+    timeout "${AWS_LIMIT:-400}" python3 .awsgpu/run_gpu.py local_gpu "$OUT/awsgpu_summary.json" \
+        --network "$network" 2>&1 | grep -v 'skipping batch' | tail -40 | tee -a "$LOG" \
+        || status=1
 fi
 
 if want tests; then

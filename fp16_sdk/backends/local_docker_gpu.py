@@ -63,13 +63,14 @@ class GpuEdits:
     devices: tuple[str, ...] = ()  # "host path:container path:rwm"
     mounts: tuple[tuple[str, str], ...] = ()  # (host file, container path), read-only binds
     library_dirs: tuple[str, ...] = ()  # put first on LD_LIBRARY_PATH
+    environment: tuple[tuple[str, str], ...] = ()  # set unless the job sets them
 
     def create_kwargs(self, *, environment: Mapping[str, str],
                       image_env: Mapping[str, str]) -> dict[str, Any]:
         """Keyword arguments for `containers.create` (environment merged into a copy)."""
         from docker.types import Mount
 
-        env = dict(environment)
+        env = {**dict(self.environment), **environment}
         if self.library_dirs:
             rest = env.get("LD_LIBRARY_PATH", image_env.get("LD_LIBRARY_PATH", ""))
             env["LD_LIBRARY_PATH"] = ":".join([*self.library_dirs, *filter(None, [rest])])
@@ -137,7 +138,10 @@ class GpuAccess:
             devices=tuple(f"{n}:{n}:rwm" for n in nodes),
             mounts=tuple((src, f"{CONTAINER_LIB_DIR}/{soname}") for soname, src in self.libraries)
             + tuple((src, f"/usr/bin/{name}") for name, src in self.binaries),
-            library_dirs=(CONTAINER_LIB_DIR,))
+            library_dirs=(CONTAINER_LIB_DIR,),
+            # Triton links its kernels' launchers against libcuda.so: name the folder rather
+            # than let it search an image's loader cache, which knows nothing of this mount
+            environment=(("TRITON_LIBCUDA_PATH", CONTAINER_LIB_DIR),))
 
 
 def assign_gpus(instance_count: int, processes_per_host: int | None,

@@ -92,7 +92,8 @@ def test_device_nodes_and_driver_libraries_when_the_engine_has_neither(machine):
     assert not any("cudart" in target or "lib32" in src for src, target in edits.mounts)
     kwargs = edits.create_kwargs(environment={"A": "1"},
                                  image_env={"LD_LIBRARY_PATH": "/opt/lib"})
-    assert kwargs["environment"] == {"A": "1", "LD_LIBRARY_PATH": f"{CONTAINER_LIB_DIR}:/opt/lib"}
+    assert kwargs["environment"] == {"A": "1", "LD_LIBRARY_PATH": f"{CONTAINER_LIB_DIR}:/opt/lib",
+                                     "TRITON_LIBCUDA_PATH": CONTAINER_LIB_DIR}
     assert all(m["ReadOnly"] and m["Type"] == "bind" for m in kwargs["mounts"])
     assert len(access.edits(None).devices) == 4  # both GPUs for a single host
     with pytest.raises(BackendError, match=r"GPU\(s\) \[2\] have no device node"):
