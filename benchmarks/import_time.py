@@ -10,7 +10,9 @@ are the median and the minimum over the repetitions; ratio = median smp / median
 and the modules with the largest cumulative time are listed, so a regression names its cause.
 
 Usage: python benchmarks/import_time.py [--runs 7] [--top 15]
-Prints a table and writes benchmarks/results/import_time.json.
+Prints a table and writes benchmarks/results/import_time.json: this run's figures at the top
+level, and under "by_device" the latest figures of every device it has run on (the CPU
+development machine, the GPU machine), so one file holds both.
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ def main() -> None:
     print(f"\ntop cumulative imports under -X importtime ({ARMS['smp']}):")
     for row in result["top_cumulative"]:
         print(f"{row['cumulative_s']:8.3f} s  {row['module']}")
+    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    entry = {k: result[k] for k in ("date", "torch_version", "runs", "torch_s", "smp_s", "ratio")}
+    entry.update({f"{arm}_min_s": min(t) for arm, t in times.items()})
+    result["by_device"] = {**previous.get("by_device", {}), result["device"]: entry}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {RESULTS.relative_to(REPO)}")

@@ -2,8 +2,9 @@
 
 `import smdistributed.modelparallel.torch` once cost 2x `import torch` (issue 40): torch._dynamo
 (with sympy) came in through the fused loss's `torch.compiler.disable` decorator, DTensor and
-FSDP2 through sharded data parallelism and delayed init. They now load where they are used:
-torch.compile tracing the loss, FSDP2 wrapping, a DTensor in a checkpoint. Structural, not
+FSDP2 through sharded data parallelism and delayed init, pydantic through the config schema.
+They now load where they are used: smp.init() validating the config, torch.compile tracing the
+loss, FSDP2 wrapping, a DTensor in a checkpoint. Structural, not
 timed (benchmarks/import_time.py times it): one fresh interpreter, one Gloo process, and
 `sys.modules` read after each stage.
 """
@@ -19,7 +20,8 @@ from helpers.paths import REPO
 from helpers.ports import free_port
 
 HEAVY = ["torch._dynamo", "torch._inductor", "sympy", "torch.distributed.tensor",
-         "torch.distributed.fsdp", "torch.distributed.checkpoint", "triton", "transformers"]
+         "torch.distributed.fsdp", "torch.distributed.checkpoint", "triton", "transformers",
+         "pydantic"]
 
 _SCRIPT = """
 import json, os, sys
@@ -95,7 +97,9 @@ def test_import_defers_heavy_modules_until_a_feature_needs_them():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["missing"] == []  # every public name still resolves
     assert r["seen"]["import"] == [], r["seen"]
-    assert r["seen"]["wrap"] == [], r["seen"]  # wrapping a plain model needs none of them
+    # init() validates the config with the shared pydantic schema; wrapping a plain model
+    # needs none of torch's heavy parts.
+    assert r["seen"]["wrap"] == ["pydantic"], r["seen"]
     assert r["plain_is_sharded"] is False
     assert len(r["losses"]) == 2 and r["losses"][1] < r["losses"][0]  # the step trained
     assert r["compiled"] == r["reference"] and r["breaks"] == 1
