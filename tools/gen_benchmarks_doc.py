@@ -252,6 +252,23 @@ def fit_section() -> list[str]:
     return lines
 
 
+def import_section() -> list[str]:
+    d = _load("import_time")
+    if not d:
+        return ["No import-time results yet."]
+    lines = ["Command: `python3 benchmarks/import_time.py --runs 7` (fresh interpreters, the "
+             "arms alternating; the import statement timed inside the child). Target (issue 40):"
+             " smp / torch <= 1.25.", "",
+             "| device | torch | runs | `import torch` s, median (min) | "
+             "`import torch, smp` s, median (min) | ratio of medians |",
+             "|---|---|---|---|---|---|"]
+    for device, r in sorted(d["by_device"].items()):
+        lines.append(f"| {device} | {r['torch_version']} | {r['runs']} | {r['torch_s']:.3f} "
+                     f"({r['torch_min_s']:.3f}) | {r['smp_s']:.3f} ({r['smp_min_s']:.3f}) | "
+                     f"{r['ratio']:.3f} |")
+    return lines
+
+
 def memory_section() -> list[str]:
     d = _load("memory")
     if not d:
@@ -345,7 +362,9 @@ def render() -> str:
              *overhead_section(), "",
              "## Pipeline schedules (`benchmarks/pipeline_schedule.py`)", "",
              *pipeline_section(), "", "## fit() overhead (`benchmarks/fit_overhead.py`)", "",
-             *fit_section(), ""]
+             *fit_section(), "",
+             "## Import time of the smp runtime (`benchmarks/import_time.py`)", "",
+             *import_section(), ""]
     extra = ROOT / "benchmarks" / "NOTES.md"
     if extra.is_file():
         parts += ["## Notes", "", extra.read_text().strip(), ""]

@@ -12,18 +12,20 @@ import datetime
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from fp16_sdk.config import SMPParameters, parse_mp_parameters
 from fp16_sdk.errors import ConfigError
 
 from . import comm, gloo_exit
 from .errors import SMPConfigError
 from .state import state
 from .topology import Topology
+
+if TYPE_CHECKING:
+    from fp16_sdk.config import SMPParameters
 
 __all__ = [
     "init", "is_initialized", "merge_config",
@@ -69,6 +71,8 @@ def merge_config(env_value: str | None, config: dict | None) -> dict:
 
 
 def _parse(merged: dict) -> SMPParameters:
+    from fp16_sdk.config import parse_mp_parameters  # pydantic (~0.2 s): loaded by init()
+
     try:
         return parse_mp_parameters(merged)
     except SMPConfigError:

@@ -23,7 +23,6 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..errors import SMPConfigError
 from ..param_record import module_record, param_record
@@ -150,9 +149,12 @@ class DelayedPlan:
     def finish(self, layout: str) -> dict:
         """Record this rank's figures in state (the start-up line and the health log read
         them; the wrap's plan logs them, parallelize.py)."""
+        # Here, not at the top: the sharded_data_parallel package imports delayed_init.
+        from ..sharded_data_parallel.settings import is_sharded
+
         local = 0
         for p in self.root.parameters():
-            if isinstance(p, DTensor):  # sharded by sharded data parallelism
+            if is_sharded(p):  # by sharded data parallelism
                 t = p.to_local()
                 local += t.numel() * t.element_size()
             elif is_delayed(p) or param_record(p).distributed:

@@ -64,7 +64,6 @@ class _FusedCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-@torch.compiler.disable
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                   ignore_index: int = -100) -> torch.Tensor:
     """Mean cross entropy of `logits` [..., V] against `labels` [...] in fp32 arithmetic.
@@ -77,6 +76,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     Returns:
         The fp32 scalar `F.cross_entropy(logits.float(), labels)` would return.
     """
+    if torch.compiler.is_compiling():
+        # Run eagerly inside a compiled model. Disabled here rather than by decorating: the
+        # decorator imports torch._dynamo (~1 s) when smp is imported.
+        return torch.compiler.disable(_cross_entropy)(logits, labels, ignore_index)
+    return _cross_entropy(logits, labels, ignore_index)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                   ignore_index: int) -> torch.Tensor:
     logits2d = logits.reshape(-1, logits.shape[-1])
     labels1d = labels.reshape(-1)
     if not fused_cross_entropy_available(logits2d):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import DTensor
+import sys
 
 from ..state import state
 
@@ -16,7 +16,10 @@ def enabled() -> bool:
 
 def is_sharded(t) -> bool:
     """A parameter (or gradient) sharded by FSDP: a DTensor."""
-    return isinstance(t, DTensor)
+    # Not imported here: torch.distributed.tensor costs ~1.5 s, and until something has
+    # imported it (FSDP2 does) no tensor can be a DTensor.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def startup_part(cfg, topology) -> str | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import CheckpointError
 from .settings import is_sharded
@@ -21,6 +20,8 @@ def full_state_dict_values(sd: dict) -> dict:
 def shard_state_dict_values(module: nn.Module, sd: dict) -> dict:
     """Full tensors of sharded parameters cut to this rank's DTensor chunk (no communication:
     every rank holds the full tensor)."""
+    from torch.distributed.tensor import distribute_tensor  # heavy; sdp > 1 only (settings.py)
+
     current = module.state_dict(keep_vars=True)
     out = dict(sd)
     for key, value in sd.items():
@@ -44,6 +45,8 @@ def restore_optimizer_state(inner: dict, optimizer: torch.optim.Optimizer) -> di
     Raises:
         CheckpointError: a saved chunk does not have this rank's chunk shape.
     """
+    from torch.distributed.tensor import DTensor  # heavy; sdp > 1 only (settings.py)
+
     params = [p for g in optimizer.param_groups for p in g["params"]]
     out = {}
     for index, entry in inner["state"].items():

@@ -13,7 +13,6 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..delayed_init import DelayedPlan, full_numel
 from ..errors import SMPConfigError
@@ -62,6 +61,9 @@ def shard_model(module: nn.Module, *, delayed: DelayedPlan | None) -> dict:
     Raises:
         SMPConfigError: a unit gathers more than sdp_max_live_parameters elements.
     """
+    # Imported here: FSDP2 pulls in DTensor (~1.5 s), needed only when sdp > 1.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     cfg = state.cfg
     params = list(module.parameters())
     # fully_shard replaces each parameter by a new DTensor one: keep the records
