@@ -23,6 +23,14 @@
 #   FP16_SDK_SLURM_IMAGE  node image tag (default fp16-sdk-slurm:latest for the default base,
 #                         fp16-sdk-slurm:<tag> for a base fp16-sdk-training:<tag>)
 #   FP16_SDK_SLURM_MIN_JOB_AGE  seconds a finished job stays visible in squeue (default 60)
+#   FP16_SDK_SLURM_GPUS   GPUs each compute node declares as gres/gpu (default 2: stand-in
+#                         devices with /dev/null's numbers, so GPU requests schedule on CPU hosts)
+#   FP16_SDK_SLURM_GPU_FILES  device files behind them, such as /dev/nvidia[0-7]: Slurm then
+#                         binds them (CUDA_VISIBLE_DEVICES); the containers need the devices
+#                         (FP16_SDK_SLURM_DOCKER_ARGS='--gpus all')
+#   FP16_SDK_SLURM_DOCKER_ARGS  more `docker run` words for the compute nodes (word-split)
+#   FP16_SDK_SLURM_IFNAME the compute nodes' interface name (default ens5: not the eth0 that
+#                         code may wrongly assume; needs NET_ADMIN, which the nodes get)
 # Progress goes to stderr; only the KEY=VALUE lines go to stdout.
 set -euo pipefail
 
@@ -34,6 +42,10 @@ shared="$dir/shared"
 state="$dir/state"
 base="${FP16_SDK_SLURM_BASE:-${FP16_SDK_TEST_IMAGE:-fp16-sdk-training:latest-cpu}}"
 min_job_age="${FP16_SDK_SLURM_MIN_JOB_AGE:-60}"
+gpus="${FP16_SDK_SLURM_GPUS:-2}"
+gpu_files="${FP16_SDK_SLURM_GPU_FILES:-}"
+ifname="${FP16_SDK_SLURM_IFNAME:-ens5}"
+read -r -a node_docker_args <<< "${FP16_SDK_SLURM_DOCKER_ARGS:-}"
 label="fp16_sdk.slurm"
 net="$name-net"
 ctl="$name-ctl"
@@ -120,7 +132,10 @@ running_current() {  # exit 0 when all three containers run this image and this 
     done
 }
 
-config_id() { printf '%s' "$dir|$min_job_age" | sha256sum | cut -c1-16; }
+config_id() {
+    printf '%s' "$dir|$min_job_age|$gpus|$gpu_files|$ifname|${node_docker_args[*]}" |
+        sha256sum | cut -c1-16
+}
 
 start_container() {  # container name, hostname, role, extra docker run args...
     local cname="$1" host="$2" role="$3"
@@ -129,7 +144,8 @@ start_container() {  # container name, hostname, role, extra docker run args...
         --network "$net" --network-alias "$host" \
         --label "$label=$name" --label "fp16_sdk.slurm.config=$(config_id)" \
         -v "$shared:$shared" -v "$state:/etc/fp16-slurm:ro" \
-        -e FP16_SDK_SLURM_MIN_JOB_AGE="$min_job_age" \
+        -e FP16_SDK_SLURM_MIN_JOB_AGE="$min_job_age" -e FP16_SDK_SLURM_GPUS="$gpus" \
+        -e FP16_SDK_SLURM_GPU_FILES="$gpu_files" -e FP16_SDK_SLURM_IFNAME="$ifname" \
         "$@" "$image" "$role" >/dev/null
 }
 
@@ -168,7 +184,7 @@ up() {
         docker network create --label "$label=$name" "$net" >/dev/null
         start_container "$ctl" slurmctl controller -p 127.0.0.1::22
         for n in "${nodes[@]}"; do
-            start_container "$name-$n" "$n" node
+            start_container "$name-$n" "$n" node --cap-add NET_ADMIN "${node_docker_args[@]}"
         done
         wait_idle
         say "cluster $name up in $((SECONDS - start)) s"
