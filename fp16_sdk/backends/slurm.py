@@ -122,11 +122,12 @@ class SlurmBackend(Backend):
                               "before it records why the job ended; leave it unset for "
                               f"{kill_wait / 2:g}", key="stop_grace_s", value=grace)
         attempt, lead = options.attempt_time_s, script.signal_lead_s(grace)
-        if attempt is not None and attempt - lead < 15:
+        if attempt is not None and attempt < 2 * lead:  # less work than stopping per attempt
             raise ConfigError(f"backend_options['attempt_time_s']={attempt} leaves "
                               f"{attempt - lead} s of work per attempt: Slurm signals the "
                               f"batch script {lead} s before the limit (the stop grace "
-                              f"{grace:g} s + 30 s); give at least {lead + 15}",
+                              f"{grace:g} s + 10 s), and may do so up to 60 s earlier; give "
+                              f"at least {2 * lead} or a shorter stop_grace_s",
                               key="attempt_time_s", value=attempt)
         return grace
 
@@ -188,24 +189,21 @@ class SlurmBackend(Backend):
         # the table row's rules (output_path an absolute file:// URI, file:// channels), for
         # hand-built specs too; the shared paths start from output_path's folder
         SHARED_FILESYSTEM.check_request(spec)
-        script.check_environment(spec.environment)
         files = script.JobFiles(lc.job_dir(spec))
-        shared = (files.root.parent, *options.shared_paths)
-        self._check_checkpoints(spec, shared)
-        script.check_job_dir(files.root)
         if files.record.exists():
             raise ConfigError(f"job_name={spec.job_name!r} is already used ({files.root} holds "
                               "a Slurm job); pick a new name or leave job_name unset",
                               key="job_name", value=spec.job_name)
-        monitor = monitor_for(options.submit_command)
-        grace = self._stop_grace(options, monitor.cli)
-        made = [p for p in (files.root, files.slurm, files.hosts, files.root / "channels",
-                            files.root / "source") if not p.exists()]
         try:
+            script.check_environment(spec.environment)
+            shared = (files.root.parent, *options.shared_paths)
+            self._check_checkpoints(spec, shared)
+            script.check_job_dir(files.root)
+            monitor = monitor_for(options.submit_command)
+            grace = self._stop_grace(options, monitor.cli)
             return self._submit(spec, options, files, shared, grace, monitor)
         except BaseException:
-            for path in made:  # what this submission made; the name is free again
-                shutil.rmtree(path, ignore_errors=True)
+            _give_back(files)
             raise
 
     def _submit(self, spec, options, files, shared, grace, monitor) -> SlurmJob:
@@ -252,6 +250,17 @@ class SlurmBackend(Backend):
         spec = JobSpec(**record["spec"], sourcedir=files.root / "source" / contract.SOURCEDIR_NAME)
         return SlurmJob(spec, files=files, job_id=record["job_id"], monitor=monitor,
                         submitted=dt.datetime.fromisoformat(record["submitted"]))
+
+
+def _give_back(files: script.JobFiles) -> None:
+    """A submission that failed before Slurm took the job leaves no folder: what fit() and
+    this backend wrote there (the code package, the layout, the scripts) goes, and with it
+    the claim on the job's name. A folder holding anything else is left alone."""
+    ours = {"source", "slurm", "hosts", "channels", "output"}
+    if files.record.exists() or not files.root.is_dir():
+        return
+    if {p.name for p in files.root.iterdir()} <= ours:
+        shutil.rmtree(files.root, ignore_errors=True)
 
 
 def _sbatch(cli: SlurmCli, argv: list[str], job_name: str, token: str) -> str:

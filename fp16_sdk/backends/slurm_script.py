@@ -115,9 +115,10 @@ def rendezvous_port(job_id: int) -> int:
 
 
 def signal_lead_s(stop_grace_s: float) -> int:
-    """Seconds before an attempt's time limit at which Slurm signals the batch script: the
-    toolkit's stop grace plus 30 s, Slurm's resolution for time limits (it looks every 30 s)."""
-    return math.ceil(stop_grace_s) + 30
+    """Seconds before an attempt's time limit at which Slurm is asked to signal the batch
+    script: the toolkit's stop grace plus 10 s to requeue. Slurm may send it up to a minute
+    earlier than asked (it looks at time limits periodically), never later."""
+    return math.ceil(stop_grace_s) + 10
 
 
 def _chained(options: SlurmOptions, max_run: int) -> bool:
@@ -188,6 +189,7 @@ _RUN = [
     " scancel --signal=TERM \"$SLURM_JOB_ID\"' USR1",
     "@SRUN@ &",
     "SRUN=$!",
+    '[ "$STOPPING" = 1 ] && { sleep 2; scancel --signal=TERM "$SLURM_JOB_ID"; }  # came early',
     'wait "$SRUN"; RC=$?',
     'while kill -0 "$SRUN" 2>/dev/null; do wait "$SRUN"; RC=$?; done',
     'echo "fp16_sdk: $(date +%T) srun ended with status $RC"',

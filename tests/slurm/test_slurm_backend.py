@@ -81,12 +81,14 @@ def overtime_job(slurm_cluster, shared):
     est.latest_training_job.stop()
 
 
-CHAIN_TICKS = 100  # 1 s each; an attempt of the 1-minute partition gets 15-45 s of them
+# 1 s each. Slurm signals an attempt of the 1-minute partition 25 s before its limit (stop grace
+# 15 s + 10 s), or up to 60 s earlier: an attempt does at most ~33 ticks, so 70 need >= 3.
+CHAIN_TICKS = 70
 
 
 @pytest.fixture(scope="module")
 def chained_job(slurm_cluster, shared):
-    """A job of 100 s on the one-minute partition: it must go on over >= 3 attempts."""
+    """A job of 70 s on the one-minute partition: it must go on over >= 3 attempts."""
     store = shared / "chain"
     store.mkdir()
     est = PyTorch("chain_probe.py", source_dir=str(SLURM_SCRIPTS), framework_version="2.13",
@@ -329,7 +331,7 @@ def test_max_run_exceeded_ends_in_max_runtime_exceeded(overtime_job):
 # ---- longer than the partition's time limit --------------------------------------------------
 
 def test_a_job_longer_than_the_partition_limit_goes_on_in_requeued_attempts(chained_job):
-    """Checked last (submitted when the module started): 100 ticks of 1 s on a partition whose
+    """Checked last (submitted when the module started): 70 ticks of 1 s on a partition whose
     limit is one minute. Slurm signals each attempt before the limit; the toolkit stops the
     script (it exits 0 after its checkpoint, the common way), the attempt requeues the job and
     the next resumes after the newest checkpoint. fit()'s handle follows the chain as one job:

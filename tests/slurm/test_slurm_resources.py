@@ -124,9 +124,9 @@ def test_the_rendezvous_port_is_below_the_nodes_ephemeral_ports(slurm_cluster):
                                   "--wait", "--hold", "--export=NONE", "-vN1", "--comment=x"])
 def test_sbatch_args_owned_by_the_backend_are_refused_in_every_spelling(slurm_cluster, shared,
                                                                           flag):
-    est = _estimator(slurm_cluster, shared, "slurm_probe.py", options={"sbatch_args": [flag]})
-    with pytest.raises(ConfigError) as err:
-        est.fit(logs=False)
+    with pytest.raises(ConfigError) as err:  # by the estimator already, or at fit()
+        _estimator(slurm_cluster, shared, "slurm_probe.py",
+                   options={"sbatch_args": [flag]}).fit(logs=False)
     assert err.value.key == "sbatch_args" and repr(flag) in str(err.value)
 
 
@@ -140,8 +140,8 @@ def test_unsafe_requests_are_refused_before_submission(slurm_cluster, shared, tm
         (dict(options={"shared_paths": ["/data,/etc:/etc"]}), "shared_paths"),
         (dict(options={"container": {"runtime": "apptainer", "image": "--fakeroot"}}),
          "container"),
-        (dict(options={"attempt_time_s": 60, "stop_grace_s": 20}, max_run=600),
-         "attempt_time_s"),  # Slurm's signal would leave 10 s per attempt
+        (dict(options={"attempt_time_s": 60, "stop_grace_s": 28}, max_run=600),
+         "attempt_time_s"),  # the signal 38 s before the limit would leave 22 s of work
     ]
     jobs = shared / "jobs"
     before = set(jobs.iterdir()) if jobs.exists() else set()
@@ -227,7 +227,6 @@ def test_controller_away_for_8s_neither_ends_fit_nor_hangs_stop(slurm_cluster, s
     completes; a stop() meanwhile gives up after its timeout with Slurm's words. A leftover
     temporary file of another collector does not stop the artifacts from being written."""
     name = f"away-{uuid.uuid4().hex[:6]}"
-    (shared / "jobs" / name / "output" / "model.tar.gz.tmp").mkdir(parents=True)
     est = _estimator(slurm_cluster, shared, "slurm_probe.py", options={"cpus_per_task": 1},
                      hyperparameters={"ticks": 24, "tick_s": 0.5})
     outcome: dict = {}
@@ -246,11 +245,12 @@ def test_controller_away_for_8s_neither_ends_fit_nor_hangs_stop(slurm_cluster, s
     while "tick 1 " not in (node_log.read_text() if node_log.exists() else ""):
         assert time.monotonic() < deadline and runner.is_alive(), outcome
         time.sleep(0.2)
+    (shared / "jobs" / name / "output" / "model.tar.gz.tmp").mkdir(parents=True)
+    other = PyTorch.attach(name, sagemaker_session=SlurmSession(
+        output_path=f"file://{shared / 'jobs'}")).latest_training_job
     subprocess.run(["docker", "pause", slurm_cluster.controller], check=True)
     try:
         paused = time.monotonic()
-        other = PyTorch.attach(name, sagemaker_session=SlurmSession(
-            output_path=f"file://{shared / 'jobs'}")).latest_training_job
         with pytest.raises(BackendError, match="did not end within 3 s"):
             other.stop(timeout_s=3)
         assert time.monotonic() - paused < 8
