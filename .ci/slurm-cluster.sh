@@ -4,7 +4,7 @@
 # same path on all three. Every container and network it creates carries the label
 # fp16_sdk.slurm=<name>, and `down` removes exactly those.
 #
-# Usage: .ci/slurm-cluster.sh build|up|down|status
+# Usage: .ci/slurm-cluster.sh build|up|down|status|host-conf DIR
 #   build   build the node image (container/slurm/) when missing or stale: its base image
 #           changed, or a file of container/slurm/ did. Installs openssh-client when missing.
 #   up      build if needed, then start the cluster (or keep the running one when it is
@@ -12,6 +12,10 @@
 #           KEY=VALUE lines (shell-quoted: `eval "$(.ci/slurm-cluster.sh up)"`).
 #   down    remove the cluster's containers and network (the folder stays).
 #   status  print the same lines and exit 0 when the cluster runs and answers; exit 1 when not.
+#   host-conf DIR  no containers: write DIR/slurm.conf and DIR/gres.conf for a one-node cluster
+#           on this host (controller and node: $(hostname -s), its CPUs, FP16_SDK_SLURM_GPUS
+#           GPUs over FP16_SDK_SLURM_GPU_FILES, default /dev/nvidia[0-N-1]), from the same
+#           template; docs/slurm.md ("A GPU node") says how to start the daemons with it.
 #
 # env (all optional):
 #   FP16_SDK_SLURM_NAME   prefix of the container and network names (default fp16-slurm):
@@ -240,8 +244,27 @@ lock() {  # one build/up/down of this cluster at a time (two test sessions may s
     flock -w 600 9 || die "another .ci/slurm-cluster.sh held $dir/.lock for 600 s"
 }
 
+host_conf() {  # DIR: slurm.conf and gres.conf for a one-node cluster on this host
+    local out="${1:?host-conf needs a folder}" host n="${FP16_SDK_SLURM_GPUS:-0}"
+    host="$(hostname -s)"
+    mkdir -p "$out"
+    local files="${gpu_files:-/dev/nvidia[0-$((n - 1))]}" types="" gres=""
+    if ((n > 0)); then
+        types="GresTypes=gpu" gres="Gres=gpu:$n"
+        echo "Name=gpu File=$files" > "$out/gres.conf"
+    else
+        : > "$out/gres.conf"
+    fi
+    sed -e "s/@CPUS@/$(nproc)/" -e "s/@MIN_JOB_AGE@/$min_job_age/" \
+        -e "s|@GRES_TYPES@|$types|" -e "s|@GRES@|$gres|" \
+        -e "s/^SlurmctldHost=.*/SlurmctldHost=$host/" -e "s/node\[1-2\]/$host/g" \
+        "$context/slurm.conf.in" > "$out/slurm.conf"
+    say "wrote $out/slurm.conf and $out/gres.conf: node $host, $(nproc) CPUs, $n GPU(s)"
+}
+
 case "${1:-}" in
     build) lock; ensure_ssh_client; build ;;
+    host-conf) host_conf "${2:-}" ;;
     up) lock; up ;;
     down) lock; start=$SECONDS; down; say "cluster $name removed in $((SECONDS - start)) s" ;;
     status) status ;;

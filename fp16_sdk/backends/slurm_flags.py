@@ -1,4 +1,4 @@
-"""Which sbatch and srun flags a user may add (`sbatch_args`, `srun_args`), read as Slurm reads them.
+"""Which sbatch and srun flags a user may add (`sbatch_args`, `srun_args`), as Slurm reads them.
 
 Slurm parses its command lines with getopt_long: a long option may be abbreviated to any
 unique prefix (`--part=gpu` is `--partition=gpu`), a short option takes its value attached
@@ -34,7 +34,8 @@ SBATCH_OWN: dict[str, str] = {
     "--cpus-per-task": "backend_options['cpus_per_task']",
     "--exclusive": "backend_options['exclusive']", "--mem": "backend_options['mem']",
     "--signal": "backend_options['attempt_time_s']",
-    "--comment": "(the backend finds its job by it)", "--parsable": "(the backend reads the job id)",
+    "--comment": "(the backend finds its job by it)",
+    "--parsable": "(the backend reads the job id)",
     "--array": "(one training job is one Slurm job)", "--wait": _FOLLOW, "--hold": _FOLLOW,
     "--test-only": _FOLLOW, "--wrap": "(the backend writes the batch script)",
     "--export": "the estimator's environment=", "--export-file": "the estimator's environment=",

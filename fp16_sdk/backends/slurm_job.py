@@ -300,8 +300,9 @@ class SlurmJob(JobHandle):
             except BackendError as exc:
                 last = exc
             time.sleep(READ_S)
+        why = last or f"it was still {self._state.state if self._state else 'unknown'}"
         raise BackendError(f"Slurm job {self.job_id} did not end within {timeout_s:g} s of "
-                           f"stop() ({last or 'it was still ' + str(self._state and self._state.state)}); "
+                           f"stop() ({why}); "
                            f"check it with `{self._prefix()}squeue -j {self.job_id}`")
 
     @property

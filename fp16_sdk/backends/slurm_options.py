@@ -117,7 +117,8 @@ class ContainerSpec:
         if not isinstance(image, str) or not image or any(c.isspace() for c in image) \
                 or "," in image or image.startswith("-"):
             raise _fail("container", value, "needs an 'image' without spaces or commas that does "
-                        "not start with '-' (it would be read as an option), such as '/shared/images/fp16-sdk.sqsh'")
+                        "not start with '-' (it would be read as an option), such as "
+                        "'/shared/images/fp16-sdk.sqsh'")
         return cls(runtime=runtime, image=image)
 
 

@@ -175,7 +175,8 @@ _HOSTS = [
     "done",
     'HOSTS_JSON="$HOSTS_JSON}"',
     # the CPUs of the allocation on its smallest node: "64(x2),32" -> 32
-    "CPUS=$(echo \"$SLURM_JOB_CPUS_PER_NODE\" | tr ',' '\\n' | sed 's/(.*//' | sort -n | head -n 1)",
+    "CPUS=$(echo \"$SLURM_JOB_CPUS_PER_NODE\" | tr ',' '\\n' | sed 's/(.*//' | sort -n"
+    " | head -n 1)",
 ]
 
 _RUN = [

@@ -1,4 +1,4 @@
-"""Talking to Slurm: sbatch, scontrol, scancel, sacct, through the user's argv prefix.
+"""Talking to Slurm: sbatch, squeue, scontrol, scancel, sacct, through the user's argv prefix.
 
 Every command is an argv list: `submit_command` (`[]` on a login node, `["ssh", "login1"]`,
 `["docker", "exec", "-i", "<controller>"]`) followed by the Slurm command. When any word of the

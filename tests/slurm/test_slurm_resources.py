@@ -68,8 +68,8 @@ def test_whole_nodes_by_default_with_setup_srun_args_mem_gpus_and_a_retry(slurm_
     """No cpus_per_task: each node's one task is bound to all the node's CPUs (the old default
     bound it to one). The same job: mem, a GPU per node (Slurm binds one stand-in device),
     setup lines and an srun flag reach the script, NCCL's interface is the node's own (ens5,
-    found without iproute2, which the node image lacks), a channel under a shared path reached through a
-    link is used in place, and max_retries=1 requeues the failed first attempt."""
+    found without iproute2, which the node image lacks), a channel under a shared path reached
+    through a link is used in place, and max_retries=1 requeues the failed first attempt."""
     real = shared / "real-data"
     real.mkdir()
     (real / "data.txt").write_text("x")
@@ -277,7 +277,8 @@ def test_an_sbatch_that_answers_late_still_gives_a_followable_job(slurm_cluster,
     assert job.status is JobStatus.COMPLETED and job.files.record.exists()
     assert any(" sbatch " in f" {c} " for c in _lines(log))
     again = PyTorch.attach(job.name, sagemaker_session=SlurmSession(
-        output_path=f"file://{shared / 'jobs'}", submit_command=slurm_cluster.docker_submit_command))
+        output_path=f"file://{shared / 'jobs'}",
+        submit_command=slurm_cluster.docker_submit_command))
     assert again.latest_training_job.job_id == job.job_id
 
 
