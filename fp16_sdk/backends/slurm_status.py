@@ -151,6 +151,8 @@ def close_connections() -> None:
     with _SSH_LOCK:
         masters = list(_SSH_MASTERS.values())
         _SSH_MASTERS.clear()
+        if _SSH_DIR is None or not os.listdir(_SSH_DIR):
+            return  # no master was ever started (no socket): nothing to close
     for argv in masters:
         try:
             subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=15,

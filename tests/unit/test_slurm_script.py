@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -294,3 +296,66 @@ def test_attach_needs_a_slurm_session_and_names_a_missing_job(tmp_path):
     session = SlurmSession(output_path=f"file://{tmp_path}")
     with pytest.raises(BackendError, match=f"no Slurm job 'gone-1' under file://{tmp_path}"):
         PyTorch.attach("gone-1", sagemaker_session=session)
+
+
+# ---- a chain of attempts, run by bash ----------------------------------------------------------
+
+def _chain_bin(tmp_path: Path, srun_body: str) -> tuple[Path, dict]:
+    """Stand-ins for a chained job: scontrol expands the node list and records a requeue,
+    scancel records the signal it was asked to send, srun runs `srun_body`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stand_in(bin_dir, "scontrol", 'if [ "$1" = requeue ]; then echo "requeue $2" >> "$OUT/calls"; '
+              'else echo node1; fi\n')
+    _stand_in(bin_dir, "getent", 'echo "10.0.0.1 $2"\n')
+    _stand_in(bin_dir, "scancel", 'echo "scancel $*" >> "$OUT/calls"\n'
+              'kill -TERM "$(cat "$OUT/srun.pid")"\n')
+    _stand_in(bin_dir, "srun", 'echo $$ > "$OUT/srun.pid"\n' + srun_body)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_CPUS_PER_NODE": "2", "OUT": str(tmp_path)}
+    return bin_dir, env
+
+
+def test_a_chained_attempt_stops_its_steps_on_slurms_signal_and_requeues(tmp_path):
+    """bash runs the batch script; Slurm's USR1 (sent here by the test) makes it signal the
+    steps with scancel (not kill srun), wait for srun, and requeue the job although the script
+    exited 0 after its checkpoint."""
+    root = tmp_path / "jobs" / "j-1"
+    _, env = _chain_bin(tmp_path, "trap 'kill $S; exit 0' TERM\nsleep 30 >/dev/null & S=$!\nwait\n")
+    text = _batch({"attempt_time_s": 600}, nodes=1, max_run=7200, root=str(root))
+    proc = subprocess.Popen(["bash", "-c", text], env=env, stdout=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "srun.pid"
+    for _ in range(100):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)  # srun's own trap is set
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert (tmp_path / "calls").read_text().splitlines() == ["scancel --signal=TERM 77",
+                                                             "requeue 77"]
+    assert "requeueing job 77 to continue from the newest checkpoint" in out
+
+
+def test_a_chain_that_reached_max_run_ends_before_srun_and_says_so(tmp_path):
+    root = tmp_path / "jobs" / "j-1"
+    _, env = _chain_bin(tmp_path, 'echo ran > "$OUT/ran"\n')
+    (root / "slurm").mkdir(parents=True)
+    (root / "slurm" / "first-start").write_text("1000\n")  # the first attempt began long ago
+    text = _batch({"attempt_time_s": 600}, nodes=1, max_run=7200, root=str(root))
+    done = subprocess.run(["bash", "-c", text], env={**env, "SLURM_RESTART_COUNT": "3"},
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "max_run=7200s reached after attempt 3" in done.stdout
+    assert (root / "slurm" / "max-run-exceeded").read_text().strip() == "3"
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_failed_attempt_is_retried_max_retries_times(tmp_path):
+    root = tmp_path / "jobs" / "j-1"
+    _, env = _chain_bin(tmp_path, "exit 1\n")
+    text = _batch({"max_retries": 2}, nodes=1, root=str(root))
+    codes = [subprocess.run(["bash", "-c", text], env=env, capture_output=True,
+                            text=True).returncode for _ in range(3)]
+    assert codes == [0, 0, 1]  # requeued twice, then the failure is the job's
+    assert (tmp_path / "calls").read_text().splitlines() == ["requeue 77", "requeue 77"]
