@@ -149,8 +149,7 @@ def _shared_ssh(prefix: list[str]) -> list[str]:
 def close_connections() -> None:
     """End the shared ssh connections this process opened (also run at exit)."""
     with _SSH_LOCK:
-        masters = list(_SSH_MASTERS.values())
-        _SSH_MASTERS.clear()
+        masters = list(_SSH_MASTERS.values())  # kept: a later command may start one again
         if _SSH_DIR is None or not os.listdir(_SSH_DIR):
             return  # no master was ever started (no socket): nothing to close
     for argv in masters:
