@@ -77,6 +77,7 @@ class SlurmJob(JobHandle):
         self._final: JobStatus | None = None
         self._following = False
         self._hinted: str | None = None  # the pending reason last said on the console
+        self._logged: str | None = None  # ... and in the log
         self._start_time = submitted or dt.datetime.now(dt.timezone.utc)
         self._end_time: dt.datetime | None = None
         monitor.add(job_id, self._on_state)
@@ -92,19 +93,25 @@ class SlurmJob(JobHandle):
             old, self._state = self._state, new
             if new.ended:
                 self._finish()
-            else:
-                self._hint(new)
+                return True
+            if old is not None and new.restarts > old.restarts:
+                self._say(f"Slurm job {self.job_id} was requeued: attempt {new.restarts} starts "
+                          "from the newest checkpoint")
+            self._hint(new)
             return old is None or (old.state, old.reason, old.restarts) != (
                 new.state, new.reason, new.restarts)
 
     def _hint(self, state: SlurmState) -> None:
-        """Say why the job pends, once per reason while someone follows (else log it)."""
-        if not _waits(state) or state.reason == self._hinted:
+        """Say why the job pends: logged once per reason, and on the console once per reason
+        while someone follows."""
+        if not _waits(state):
             return
         line = pending_hint(self.job_id, state.reason, max_run=self.spec.max_run,
                             prefix=self._prefix())
-        log.info("job %s: %s", self.name, line)
-        if self._following:
+        if state.reason != self._logged:
+            self._logged = state.reason
+            log.info("job %s: %s", self.name, line)
+        if self._following and state.reason != self._hinted:
             self._hinted = state.reason
             print(f"fp16_sdk: {line}", file=sys.stderr, flush=True)
 

@@ -31,7 +31,7 @@ MIN_INTERVAL_S = 1.0
 MAX_INTERVAL_S = 10.0
 _BACKOFF = 1.5
 
-Listener = Callable[["SlurmState | None"], None]
+Listener = Callable[[SlurmState | None], bool]
 
 
 class Monitor:
@@ -54,7 +54,9 @@ class Monitor:
 
     def add(self, job_id: str, listener: Listener) -> None:
         """Follow `job_id`: `listener(state)` after every look (None: Slurm forgot the job),
-        until the state has ended. Several handles of one job each add their listener."""
+        until the state has ended; the listener returns whether anything changed (a change
+        brings the next look back to MIN_INTERVAL_S). Several handles of one job each add
+        their listener."""
         with self._cond:
             self._listeners.setdefault(job_id, []).append(listener)
             self._poked = True

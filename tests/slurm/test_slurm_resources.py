@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -29,7 +28,7 @@ from fp16_sdk.backends.slurm import SlurmSession
 from fp16_sdk.backends.slurm_script import PORT_BASE, PORT_SPAN
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 from fp16_sdk.pytorch import PyTorch
-from helpers.paths import REPO, SCRIPTS
+from helpers.paths import SCRIPTS
 from helpers.slurm_cluster import slurm_cluster  # noqa: F401 (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.docker, pytest.mark.slow]
