@@ -295,17 +295,26 @@ class SlurmJob(JobHandle):
             BackendError: Slurm did not end the job within timeout_s (the last error said).
         """
         deadline = time.monotonic() + timeout_s
-        cancelled, last = False, None
+        cancelled, last, ends = False, None, -1
         while time.monotonic() < deadline:
             try:
-                left = max(0.0, deadline - time.monotonic())
-                if self._refresh(force=True, wait_s=left).ended:
-                    return
                 if not cancelled:
+                    left = max(0.0, deadline - time.monotonic())
+                    if self._refresh(force=True, wait_s=left).ended:
+                        return
                     self.cli.cancel(self.job_id)
                     cancelled = True
+                    self.monitor.poke()  # then the monitor's back-off, not a look per loop
+                elif self._state is not None and self._state.ended:
+                    return
+                written = self._ends_written()
+                if written != ends:  # a host's toolkit has stopped: Slurm's end follows
+                    if ends >= 0:
+                        self.monitor.poke()
+                    ends = written
             except BackendError as exc:
                 last = exc
+                time.sleep(1.0)  # Slurm does not answer: ask again, not at once
             time.sleep(READ_S)
         why = last or f"it was still {self._state.state if self._state else 'unknown'}"
         raise BackendError(f"Slurm job {self.job_id} did not end within {timeout_s:g} s of "
