@@ -4,7 +4,7 @@
 # same path on all three. Every container and network it creates carries the label
 # fp16_sdk.slurm=<name>, and `down` removes exactly those.
 #
-# Usage: .ci/slurm-cluster.sh build|up|down|status
+# Usage: .ci/slurm-cluster.sh build|up|down|status|host-conf DIR
 #   build   build the node image (container/slurm/) when missing or stale: its base image
 #           changed, or a file of container/slurm/ did. Installs openssh-client when missing.
 #   up      build if needed, then start the cluster (or keep the running one when it is
@@ -12,6 +12,10 @@
 #           KEY=VALUE lines (shell-quoted: `eval "$(.ci/slurm-cluster.sh up)"`).
 #   down    remove the cluster's containers and network (the folder stays).
 #   status  print the same lines and exit 0 when the cluster runs and answers; exit 1 when not.
+#   host-conf DIR  no containers: write DIR/slurm.conf and DIR/gres.conf for a one-node cluster
+#           on this host (controller and node: $(hostname -s), its CPUs, FP16_SDK_SLURM_GPUS
+#           GPUs over FP16_SDK_SLURM_GPU_FILES, default /dev/nvidia[0-N-1]), from the same
+#           template; docs/slurm.md ("A GPU node") says how to start the daemons with it.
 #
 # env (all optional):
 #   FP16_SDK_SLURM_NAME   prefix of the container and network names (default fp16-slurm):
@@ -23,6 +27,14 @@
 #   FP16_SDK_SLURM_IMAGE  node image tag (default fp16-sdk-slurm:latest for the default base,
 #                         fp16-sdk-slurm:<tag> for a base fp16-sdk-training:<tag>)
 #   FP16_SDK_SLURM_MIN_JOB_AGE  seconds a finished job stays visible in squeue (default 60)
+#   FP16_SDK_SLURM_GPUS   GPUs each compute node declares as gres/gpu (default 2: stand-in
+#                         devices with /dev/null's numbers, so GPU requests schedule on CPU hosts)
+#   FP16_SDK_SLURM_GPU_FILES  device files behind them, such as /dev/nvidia[0-7]: Slurm then
+#                         binds them (CUDA_VISIBLE_DEVICES); the containers need the devices
+#                         (FP16_SDK_SLURM_DOCKER_ARGS='--gpus all')
+#   FP16_SDK_SLURM_DOCKER_ARGS  more `docker run` words for the compute nodes (word-split)
+#   FP16_SDK_SLURM_IFNAME the compute nodes' interface name (default ens5: not the eth0 that
+#                         code may wrongly assume; needs NET_ADMIN, which the nodes get)
 # Progress goes to stderr; only the KEY=VALUE lines go to stdout.
 set -euo pipefail
 
@@ -34,6 +46,10 @@ shared="$dir/shared"
 state="$dir/state"
 base="${FP16_SDK_SLURM_BASE:-${FP16_SDK_TEST_IMAGE:-fp16-sdk-training:latest-cpu}}"
 min_job_age="${FP16_SDK_SLURM_MIN_JOB_AGE:-60}"
+gpus="${FP16_SDK_SLURM_GPUS:-2}"
+gpu_files="${FP16_SDK_SLURM_GPU_FILES:-}"
+ifname="${FP16_SDK_SLURM_IFNAME:-ens5}"
+read -r -a node_docker_args <<< "${FP16_SDK_SLURM_DOCKER_ARGS:-}"
 label="fp16_sdk.slurm"
 net="$name-net"
 ctl="$name-ctl"
@@ -120,7 +136,10 @@ running_current() {  # exit 0 when all three containers run this image and this 
     done
 }
 
-config_id() { printf '%s' "$dir|$min_job_age" | sha256sum | cut -c1-16; }
+config_id() {
+    printf '%s' "$dir|$min_job_age|$gpus|$gpu_files|$ifname|${node_docker_args[*]}" |
+        sha256sum | cut -c1-16
+}
 
 start_container() {  # container name, hostname, role, extra docker run args...
     local cname="$1" host="$2" role="$3"
@@ -129,7 +148,8 @@ start_container() {  # container name, hostname, role, extra docker run args...
         --network "$net" --network-alias "$host" \
         --label "$label=$name" --label "fp16_sdk.slurm.config=$(config_id)" \
         -v "$shared:$shared" -v "$state:/etc/fp16-slurm:ro" \
-        -e FP16_SDK_SLURM_MIN_JOB_AGE="$min_job_age" \
+        -e FP16_SDK_SLURM_MIN_JOB_AGE="$min_job_age" -e FP16_SDK_SLURM_GPUS="$gpus" \
+        -e FP16_SDK_SLURM_GPU_FILES="$gpu_files" -e FP16_SDK_SLURM_IFNAME="$ifname" \
         "$@" "$image" "$role" >/dev/null
 }
 
@@ -168,7 +188,7 @@ up() {
         docker network create --label "$label=$name" "$net" >/dev/null
         start_container "$ctl" slurmctl controller -p 127.0.0.1::22
         for n in "${nodes[@]}"; do
-            start_container "$name-$n" "$n" node
+            start_container "$name-$n" "$n" node --cap-add NET_ADMIN "${node_docker_args[@]}"
         done
         wait_idle
         say "cluster $name up in $((SECONDS - start)) s"
@@ -224,8 +244,27 @@ lock() {  # one build/up/down of this cluster at a time (two test sessions may s
     flock -w 600 9 || die "another .ci/slurm-cluster.sh held $dir/.lock for 600 s"
 }
 
+host_conf() {  # DIR: slurm.conf and gres.conf for a one-node cluster on this host
+    local out="${1:?host-conf needs a folder}" host n="${FP16_SDK_SLURM_GPUS:-0}"
+    host="$(hostname -s)"
+    mkdir -p "$out"
+    local files="${gpu_files:-/dev/nvidia[0-$((n - 1))]}" types="" gres=""
+    if ((n > 0)); then
+        types="GresTypes=gpu" gres="Gres=gpu:$n"
+        echo "Name=gpu File=$files" > "$out/gres.conf"
+    else
+        : > "$out/gres.conf"
+    fi
+    sed -e "s/@CPUS@/$(nproc)/" -e "s/@MIN_JOB_AGE@/$min_job_age/" \
+        -e "s|@GRES_TYPES@|$types|" -e "s|@GRES@|$gres|" \
+        -e "s/^SlurmctldHost=.*/SlurmctldHost=$host/" -e "s/node\[1-2\]/$host/g" \
+        "$context/slurm.conf.in" > "$out/slurm.conf"
+    say "wrote $out/slurm.conf and $out/gres.conf: node $host, $(nproc) CPUs, $n GPU(s)"
+}
+
 case "${1:-}" in
     build) lock; ensure_ssh_client; build ;;
+    host-conf) host_conf "${2:-}" ;;
     up) lock; up ;;
     down) lock; start=$SECONDS; down; say "cluster $name removed in $((SECONDS - start)) s" ;;
     status) status ;;

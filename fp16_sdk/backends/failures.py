@@ -157,13 +157,18 @@ def origin_failure(failures: Iterable[HostFailure | None]) -> HostFailure | None
     """The failure where the job's error began; None when there is none.
 
     The earliest failure that is neither a kill by a signal nor an error that only reports a
-    peer's failure (`HostFailure.reports_a_peer`); else the earliest that no signal ended;
-    else the earliest of all. A failure without a time comes after those with one; ties keep
-    the order given (host order).
+    peer's failure (`HostFailure.reports_a_peer`), counting as not killed a command that a
+    signal from outside the toolkit ended after it had shown an error of its own (Slurm's
+    step kill reaches every process of a node at once, the failed one's too); else the
+    earliest that no signal ended; else the earliest of all. A failure without a time comes
+    after those with one; ties keep the order given (host order).
     """
     found = [f for f in failures if f is not None]
     unkilled = [f for f in found if not f.killed]
-    candidates = [f for f in unkilled if not f.reports_a_peer] or unkilled or found
+    own_error_then_killed = [f for f in found if f.killed and not f.signal_from_toolkit
+                             and f.error_message is not None and not f.reports_a_peer]
+    candidates = ([f for f in found if (f in unkilled and not f.reports_a_peer)
+                   or f in own_error_then_killed] or unkilled or found)
     if not candidates:
         return None
     order = {id(f): i for i, f in enumerate(candidates)}

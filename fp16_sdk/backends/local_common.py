@@ -177,11 +177,15 @@ def _merged_members(roots: Sequence[Path]) -> dict[str, Path]:
 
 
 def _write_tar(path: Path, members: Mapping[str, Path]) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
-        for arcname, src in sorted(members.items()):
-            tar.add(src, arcname=arcname, recursive=False)
-    os.replace(tmp, path)
+    # a name of this writer's own: two processes following one job may both collect it
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            for arcname, src in sorted(members.items()):
+                tar.add(src, arcname=arcname, recursive=False)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -4,9 +4,10 @@
 the shared filesystem, the stop grace against the cluster's KillWait), lays out each host's
 /opt/ml in the job folder `<output_path>/<job>/` exactly as the local modes do
 (`local_common.lay_out_host`), writes the batch and node scripts (`slurm_script`) and runs
-`sbatch` through `submit_command`. The handle (`slurm_job.SlurmJob`) follows the job; the job
-itself belongs to Slurm and outlives this process. `attach` finds a job again by name from its
-folder's record, from any process that sees the shared filesystem.
+`sbatch` through `submit_command`. A submission Slurm refuses leaves nothing behind (the job
+folder goes, the name is free again). The handle (`slurm_job.SlurmJob`) follows the job; the
+job itself belongs to Slurm and outlives this process. `attach` finds a job again by name from
+its folder's record, from any process that sees the shared filesystem.
 
 Locations: output_path must be file:// on storage that every node and this machine see at the
 same path. file:// channels under output_path's folder or under `shared_paths` are used in
@@ -23,7 +24,11 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import shutil
+import subprocess
+import time
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -32,8 +37,10 @@ from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends import slurm_script as script
 from fp16_sdk.backends.base import SHARED_FILESYSTEM, Backend, Channel, JobSpec
 from fp16_sdk.backends.slurm_job import SlurmJob, read_record
+from fp16_sdk.backends.slurm_monitor import monitor_for
 from fp16_sdk.backends.slurm_options import OPTIONS, SlurmOptions
 from fp16_sdk.backends.slurm_status import SlurmCli
+from fp16_sdk.estimator_validation import JOB_NAME_PATTERN
 from fp16_sdk.errors import BackendError, ConfigError
 
 __all__ = ["SlurmBackend", "SlurmSession", "SlurmJob", "SlurmOptions"]
@@ -62,7 +69,11 @@ class SlurmSession:
 
 
 def _under(path: Path, roots: Sequence[Path]) -> bool:
-    return any(path == r or r in path.parents for r in roots)
+    """`path` is below one of `roots`, as written or with links resolved on both sides (a
+    shared folder reached through a link is still shared)."""
+    paths = {path, path.resolve()}
+    every_root = {*roots, *(r.resolve() for r in roots)}
+    return any(p == r or r in p.parents for p in paths for r in every_root)
 
 
 class SlurmBackend(Backend):
@@ -110,6 +121,14 @@ class SlurmBackend(Backend):
                               f"cluster's KillWait ({kill_wait} s), or Slurm kills the toolkit "
                               "before it records why the job ended; leave it unset for "
                               f"{kill_wait / 2:g}", key="stop_grace_s", value=grace)
+        attempt, lead = options.attempt_time_s, script.signal_lead_s(grace)
+        if attempt is not None and attempt < 2 * lead:  # less work than stopping per attempt
+            raise ConfigError(f"backend_options['attempt_time_s']={attempt} leaves "
+                              f"{attempt - lead} s of work per attempt: Slurm signals the "
+                              f"batch script {lead} s before the limit (the stop grace "
+                              f"{grace:g} s + 10 s), and may do so up to 60 s earlier; give "
+                              f"at least {2 * lead} or a shorter stop_grace_s",
+                              key="attempt_time_s", value=attempt)
         return grace
 
     # ---- the job folder ----------------------------------------------------------------
@@ -124,12 +143,20 @@ class SlurmBackend(Backend):
                 dest = files.root / "channels" / ch.name
                 log.info("job %s: copying channel %s from %s into the job folder (it is not "
                          "under a shared path)", spec.job_name, ch.name, src)
-                if src.is_dir():
-                    shutil.copytree(src, dest, symlinks=False)
-                else:
-                    dest.mkdir(parents=True)
-                    shutil.copy2(src, dest / src.name)
-                    dest = dest / src.name
+                try:
+                    if src.is_dir():
+                        shutil.copytree(src, dest, symlinks=False)
+                    else:
+                        dest.mkdir(parents=True)
+                        shutil.copy2(src, dest / src.name)
+                        dest = dest / src.name
+                except (shutil.Error, OSError) as exc:
+                    detail = exc.args[0][0][2] if isinstance(exc, shutil.Error) else exc
+                    raise ConfigError(
+                        f"channel {ch.name!r} ({src}) could not be copied into the job folder "
+                        f"({detail}); fix or remove the file, or put the data under a shared "
+                        "path (backend_options['shared_paths']) to use it in place",
+                        key="inputs", value=ch.uri) from exc
                 ch = dataclasses.replace(ch, uri="file://" + str(dest))
             staged.append(ch)
         return tuple(staged)
@@ -155,37 +182,47 @@ class SlurmBackend(Backend):
         Raises:
             ConfigError: a location off the shared filesystem, a bad option, a used job name,
                 a stop grace not below KillWait; nothing was submitted.
-            BackendError: a Slurm command failed (its argv and Slurm's words in the message).
+            BackendError: a Slurm command failed (its argv and Slurm's words in the message);
+                nothing was submitted and the job folder is gone.
         """
         options = SlurmOptions.parse(spec.backend_options)
         # the table row's rules (output_path an absolute file:// URI, file:// channels), for
         # hand-built specs too; the shared paths start from output_path's folder
         SHARED_FILESYSTEM.check_request(spec)
         files = script.JobFiles(lc.job_dir(spec))
-        shared = (files.root.parent, *options.shared_paths)
-        self._check_checkpoints(spec, shared)
-        script.check_job_dir(files.root)
         if files.record.exists():
             raise ConfigError(f"job_name={spec.job_name!r} is already used ({files.root} holds "
                               "a Slurm job); pick a new name or leave job_name unset",
                               key="job_name", value=spec.job_name)
-        cli = SlurmCli(options.submit_command)
-        grace = self._stop_grace(options, cli)
+        try:
+            script.check_environment(spec.environment)
+            shared = (files.root.parent, *options.shared_paths)
+            self._check_checkpoints(spec, shared)
+            script.check_job_dir(files.root)
+            monitor = monitor_for(options.submit_command)
+            grace = self._stop_grace(options, monitor.cli)
+            return self._submit(spec, options, files, shared, grace, monitor)
+        except BaseException:
+            _give_back(files)
+            raise
+
+    def _submit(self, spec, options, files, shared, grace, monitor) -> SlurmJob:
         files.slurm.mkdir(parents=True, exist_ok=True)
         spec = self._lay_out(spec, files, shared)
+        token = f"fp16_sdk-{uuid.uuid4().hex[:16]}"
         files.batch.write_text(script.batch_script(
             job_name=spec.job_name, nodes=spec.instance_count, max_run=spec.max_run,
-            options=options, files=files, stop_grace_s=grace,
+            options=options, files=files, stop_grace_s=grace, token=token,
             mounts=sorted({files.root.parent, *options.shared_paths})))
         files.node.touch(mode=0o600)  # it holds the environment's values: the owner's only
         files.node.write_text(script.node_script(
             job_name=spec.job_name, files=files, environment=spec.environment,
-            gpus=bool(options.gpus_per_node)))
+            setup=options.setup))
         submitted = dt.datetime.now(dt.timezone.utc)
-        job_id = cli.submit(script.sbatch_argv(options, files))
+        job_id = _sbatch(monitor.cli, script.sbatch_argv(options, files), spec.job_name, token)
         _write_record(files, spec, job_id=job_id, submitted=submitted)
         log.info("job %s: Slurm job %s submitted (%s)", spec.job_name, job_id, files.root)
-        return SlurmJob(spec, files=files, job_id=job_id, cli=cli, submitted=submitted)
+        return SlurmJob(spec, files=files, job_id=job_id, monitor=monitor, submitted=submitted)
 
     def attach(self, job_name: str) -> SlurmJob:
         """A handle on a Slurm job submitted by any process, found by its name.
@@ -198,6 +235,10 @@ class SlurmBackend(Backend):
             raise ConfigError("attaching to a Slurm job needs sagemaker_session=SlurmSession("
                               "output_path='file:///shared/jobs')", key="sagemaker_session",
                               value=self.session)
+        if not isinstance(job_name, str) or not re.fullmatch(JOB_NAME_PATTERN, job_name):
+            raise ConfigError(f"job_name={job_name!r} is not a training job's name (letters, "
+                              "digits and '-', at most 63): attach takes the name a job was "
+                              "submitted with", key="job_name", value=job_name)
         files = script.JobFiles(lc.local_path(self.session.output_path) / job_name)
         try:
             record = read_record(files)
@@ -205,10 +246,41 @@ class SlurmBackend(Backend):
             raise BackendError(f"no Slurm job {job_name!r} under {self.session.output_path} "
                                f"({files.record}: {exc})") from exc
         prefix = self.session.submit_command
-        cli = SlurmCli(record["submit_command"] if prefix is None else prefix)
+        monitor = monitor_for(record["submit_command"] if prefix is None else prefix)
         spec = JobSpec(**record["spec"], sourcedir=files.root / "source" / contract.SOURCEDIR_NAME)
-        return SlurmJob(spec, files=files, job_id=record["job_id"], cli=cli,
+        return SlurmJob(spec, files=files, job_id=record["job_id"], monitor=monitor,
                         submitted=dt.datetime.fromisoformat(record["submitted"]))
+
+
+def _give_back(files: script.JobFiles) -> None:
+    """A submission that failed before Slurm took the job leaves no folder: what fit() and
+    this backend wrote there (the code package, the layout, the scripts) goes, and with it
+    the claim on the job's name. A folder holding anything else is left alone."""
+    ours = {"source", "slurm", "hosts", "channels", "output"}
+    if files.record.exists() or not files.root.is_dir():
+        return
+    if {p.name for p in files.root.iterdir()} <= ours:
+        shutil.rmtree(files.root, ignore_errors=True)
+
+
+def _sbatch(cli: SlurmCli, argv: list[str], job_name: str, token: str) -> str:
+    """sbatch's job id. When sbatch does not answer in time, the controller may still have
+    taken the job: it is looked up by name and --comment before the submission counts as
+    failed (a job running without its record could not be followed or attached)."""
+    try:
+        return cli.submit(argv)
+    except BackendError as exc:
+        if not isinstance(exc.__cause__, subprocess.TimeoutExpired):
+            raise
+        for _ in range(5):
+            job_id = cli.find(job_name, token)
+            if job_id is not None:
+                log.warning("job %s: sbatch did not answer in time, but Slurm holds the job "
+                            "(id %s, found by its comment)", job_name, job_id)
+                return job_id
+            time.sleep(2)
+        raise BackendError(f"{exc}; and Slurm shows no job named {job_name!r} with comment "
+                           f"{token}: nothing was submitted") from exc
 
 
 _RECORDED = ("job_name", "instance_type", "instance_count", "hyperparameters", "entry_point",

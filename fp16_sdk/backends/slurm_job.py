@@ -5,11 +5,16 @@ SageMaker job does), and any process that sees the job folder can follow it agai
 (`SlurmBackend.attach`). Every handle of a job reads the same things: Slurm's record
 (`slurm_status`), the node logs (`slurm_logs`) and the host trees in the job folder.
 
+Slurm is looked at through the process's one `slurm_monitor.Monitor` (one squeue for all
+live jobs, backed off while nothing changes, at once when a host writes its end into the job
+folder). A failed look does not end `wait`: only Slurm not answering for `OUTAGE_S` does. A
+pending job says on the console why it waits and what to change (`slurm_pending`).
+
 When the job has ended, the first handle that sees it tars the hosts' model/ and output/data
 into `output/model.tar.gz` / `output.tar.gz` exactly as the local modes do; a failed job's
 error names the host where the failure began (`failures.origin_failure`: the earliest failure
-that is not a kill by a signal, so the healthy node that srun killed is not blamed); a TIMEOUT
-is `MaxRuntimeExceeded`, CANCELLED is Stopped.
+that is not a kill by a signal, so the healthy node that srun killed is not blamed); a TIMEOUT,
+or a chain of attempts that reached max_run, is `MaxRuntimeExceeded`, CANCELLED is Stopped.
 """
 
 from __future__ import annotations
@@ -27,17 +32,21 @@ from fp16_sdk.backends import failures
 from fp16_sdk.backends import local_common as lc
 from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
 from fp16_sdk.backends.slurm_logs import NodeLogs
+from fp16_sdk.backends.slurm_monitor import Monitor
+from fp16_sdk.backends.slurm_options import SlurmOptions
+from fp16_sdk.backends.slurm_pending import pending_hint
 from fp16_sdk.backends.slurm_script import JobFiles
-from fp16_sdk.backends.slurm_status import (MAX_RUNTIME_STATE, SlurmCli, SlurmState,
-                                            job_status)
-from fp16_sdk.errors import TrainingJobFailedError
+from fp16_sdk.backends.slurm_status import MAX_RUNTIME_STATE, SlurmState, job_status
+from fp16_sdk.errors import BackendError, TrainingJobFailedError
 
-__all__ = ["SlurmJob", "POLL_S"]
+__all__ = ["SlurmJob", "READ_S", "OUTAGE_S", "STOP_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5  # seconds between two looks at Slurm's record while following a job
-WATCH_S = 5.0  # ... while nobody follows: the controller forgets an ended job after MinJobAge
+READ_S = 0.25  # seconds between two reads of the job folder (logs, hosts' ends) while following
+OUTAGE_S = 300.0  # how long `wait` goes on while Slurm does not answer
+_OUTAGE_WARN_S = 20.0  # ... and after how long it says so
+STOP_TIMEOUT_S = 180.0  # stop(): scancel, then Slurm's KillWait and the nodes' clean-up
 
 
 class SlurmJob(JobHandle):
@@ -51,48 +60,77 @@ class SlurmJob(JobHandle):
         submitted: when the job was submitted (TrainingStartTime until Slurm starts it).
     """
 
-    def __init__(self, spec: JobSpec, *, files: JobFiles, job_id: str, cli: SlurmCli,
+    def __init__(self, spec: JobSpec, *, files: JobFiles, job_id: str, monitor: Monitor,
                  submitted: dt.datetime | None = None):
         self.name = spec.job_name
         self.spec = spec
         self.files = files
         self.job_id = job_id
-        self.cli = cli
+        self.monitor = monitor
+        self.cli = monitor.cli
+        self._options = SlurmOptions.parse(spec.backend_options)
         self._node_logs = NodeLogs(files)
         self._log = lc.JobLog()
         self._lock = threading.RLock()
         self._state: SlurmState | None = None
-        self._last_poll = 0.0
         self._error: TrainingJobFailedError | None = None
         self._final: JobStatus | None = None
+        self._following = False
+        self._hinted: str | None = None  # the pending reason last said on the console
+        self._logged: str | None = None  # ... and in the log
         self._start_time = submitted or dt.datetime.now(dt.timezone.utc)
         self._end_time: dt.datetime | None = None
-        threading.Thread(target=self._watch, name=f"{self.name}-slurm-watch",
-                         daemon=True).start()
-
-    def _watch(self) -> None:
-        """See the job's end while this process lives, even when nobody waits: on a cluster
-        without accounting, only the controller knows a TIMEOUT, and only for MinJobAge."""
-        while self._final is None:
-            time.sleep(WATCH_S)
-            try:
-                self._refresh()
-            except Exception as exc:  # noqa: BLE001 - a watcher must not die of one bad look
-                log.debug("job %s: looking at Slurm job %s failed: %s", self.name,
-                          self.job_id, exc)
+        monitor.add(job_id, self._on_state)
 
     # ---- Slurm's record ----------------------------------------------------------------
 
-    def _refresh(self, *, force: bool = False) -> SlurmState:
+    def _on_state(self, state: SlurmState | None) -> bool:
+        """The monitor's news (None: Slurm forgot the job); whether anything changed."""
         with self._lock:
             if self._final is not None:
-                return self._state
-            if force or self._state is None or time.monotonic() - self._last_poll >= POLL_S:
-                self._state = self.cli.state(self.job_id) or self._state_from_files()
-                self._last_poll = time.monotonic()
-                if self._state.ended:
-                    self._finish()
-            return self._state
+                return False
+            new = state if state is not None else self._state_from_files()
+            old, self._state = self._state, new
+            if new.ended:
+                self._finish()
+                return True
+            if old is not None and new.restarts > old.restarts:
+                self._say(f"Slurm job {self.job_id} was requeued: attempt {new.restarts} starts "
+                          "from the newest checkpoint")
+            self._hint(new)
+            return old is None or (old.state, old.reason, old.restarts) != (
+                new.state, new.reason, new.restarts)
+
+    def _hint(self, state: SlurmState) -> None:
+        """Say why the job pends: logged once per reason, and on the console once per reason
+        while someone follows."""
+        if not _waits(state):
+            return
+        line = pending_hint(self.job_id, state.reason, max_run=self.spec.max_run,
+                            prefix=self._prefix())
+        if state.reason != self._logged:
+            self._logged = state.reason
+            log.info("job %s: %s", self.name, line)
+        if self._following and state.reason != self._hinted:
+            self._hinted = state.reason
+            print(f"fp16_sdk: {line}", file=sys.stderr, flush=True)
+
+    def _refresh(self, *, force: bool = False, wait_s: float | None = None) -> SlurmState:
+        if self._final is None and (force or self._state is None):
+            self.monitor.poke(wait_s=self.cli.timeout_s if wait_s is None else wait_s)
+            if self._state is None:  # the monitor could not look: ask once, failing loudly
+                self._on_state(self.cli.state(self.job_id))
+        return self._state
+
+    def _say(self, line: str) -> None:
+        """A line for the person following the job (the log when nobody follows)."""
+        log.info("job %s: %s", self.name, line)
+        if self._following:
+            print(f"fp16_sdk: {line}", file=sys.stderr, flush=True)
+
+    def _prefix(self) -> str:
+        prefix = " ".join(self.cli.prefix)
+        return prefix + " " if prefix else ""
 
     def _state_from_files(self) -> SlurmState:
         """Neither scontrol nor sacct knows the job any more: what its hosts left behind."""
@@ -126,6 +164,20 @@ class SlurmJob(JobHandle):
         self._log.close()
 
     def _failure(self, state: SlurmState) -> TrainingJobFailedError:
+        attempt = self._options.attempt_time_s
+        if self.files.max_run_exceeded.exists():
+            return TrainingJobFailedError(
+                self.name, reason=f"MaxRuntimeExceeded: the job ran longer than max_run="
+                f"{self.spec.max_run}s over {state.restarts + 1} attempts of Slurm job "
+                f"{self.job_id} (attempt_time_s={attempt}); it stopped after its newest "
+                "checkpoint")
+        if state.state == MAX_RUNTIME_STATE and attempt is not None \
+                and attempt < self.spec.max_run:
+            return TrainingJobFailedError(
+                self.name, reason=f"MaxRuntimeExceeded: attempt {state.restarts} of Slurm job "
+                f"{self.job_id} ran into its time limit (attempt_time_s={attempt}) before the "
+                "toolkit had stopped it; raise backend_options['stop_grace_s'] margin or "
+                "checkpoint faster on SIGTERM")
         if state.state == MAX_RUNTIME_STATE:
             return TrainingJobFailedError(
                 self.name, reason=f"MaxRuntimeExceeded: the job ran longer than max_run="
@@ -136,6 +188,11 @@ class SlurmJob(JobHandle):
         if origin is not None:
             return TrainingJobFailedError(self.name, host=origin.host,
                                           exit_code=origin.exit_code, reason=origin.reason)
+        if not state.exit_code and state.source == "squeue":
+            try:  # squeue has no exit code: the controller's record, once
+                state = self.cli.show_job(self.job_id) or state
+            except BackendError:
+                pass
         batch = self.files.batch_output(self.job_id)
         tail = batch.read_text(errors="replace").splitlines()[-20:] if batch.exists() else []
         return TrainingJobFailedError(
@@ -150,20 +207,50 @@ class SlurmJob(JobHandle):
             for line in self._node_logs.read(final=final):
                 self._log.add(line)
 
+    def _ends_written(self) -> int:
+        return sum(t.success_file.exists() or t.failure_file.exists() for t in self._trees())
+
+    def _check_outage(self, warned: bool) -> bool:
+        """Raise BackendError when Slurm has not answered for OUTAGE_S; say so once before."""
+        since = self.monitor.failing_since
+        if since is None:
+            return False
+        down = time.monotonic() - since
+        if down > OUTAGE_S:
+            raise BackendError(f"Slurm has not answered for {down:.0f} s while following job "
+                               f"{self.job_id} ({self.monitor.last_error}); the job may go on: "
+                               f"{self.continue_hint()}")
+        if down > _OUTAGE_WARN_S and not warned:
+            self._say(f"Slurm does not answer ({self.monitor.last_error}); still following "
+                      f"job {self.job_id} for up to {OUTAGE_S:.0f} s")
+            return True
+        return warned
+
     def _follow(self, *, show: bool) -> None:
         """Every line so far, then the new ones, until the job has ended."""
-        cursor = 0
-        while True:
-            state = self._refresh()
-            self._pump()
-            lines = self._log.lines()  # the watcher may have read some: print from the log
-            if show and len(lines) > cursor:
-                sys.stdout.write("".join(line + "\n" for line in lines[cursor:]))
-                sys.stdout.flush()
-            cursor = len(lines)
-            if state.ended:
-                return
-            time.sleep(POLL_S / 2)
+        cursor, ends, warned = 0, -1, False
+        self._following = True
+        try:
+            self._hint(self._refresh())  # what the monitor saw before anyone followed
+            while True:
+                state = self._state
+                self._pump()
+                lines = self._log.lines()  # the monitor may have read some: print from the log
+                if show and len(lines) > cursor:
+                    sys.stdout.write("".join(line + "\n" for line in lines[cursor:]))
+                    sys.stdout.flush()
+                cursor = len(lines)
+                if state.ended:
+                    return
+                written = self._ends_written()
+                if written != ends:  # a host ended: Slurm's end follows within seconds
+                    if ends >= 0:
+                        self.monitor.poke()
+                    ends = written
+                warned = self._check_outage(warned)
+                time.sleep(READ_S)
+        finally:
+            self._following = False
 
     # ---- the JobHandle interface -------------------------------------------------------
 
@@ -198,13 +285,41 @@ class SlurmJob(JobHandle):
         """Print every log line so far, then follow until the job ends."""
         self._follow(show=True)
 
-    def stop(self) -> None:
-        """scancel the job; returns once Slurm has ended it on every node (no process left)."""
-        if self._refresh(force=True).ended:
-            return
-        self.cli.cancel(self.job_id)
-        while not self._refresh(force=True).ended:
-            time.sleep(POLL_S / 2)
+    def stop(self, *, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """scancel the job; returns once Slurm has ended it on every node (no process left).
+
+        Args:
+            timeout_s: how long to keep asking (scancel retried while Slurm does not answer).
+
+        Raises:
+            BackendError: Slurm did not end the job within timeout_s (the last error said).
+        """
+        deadline = time.monotonic() + timeout_s
+        cancelled, last, ends = False, None, -1
+        while time.monotonic() < deadline:
+            try:
+                if not cancelled:
+                    left = max(0.0, deadline - time.monotonic())
+                    if self._refresh(force=True, wait_s=left).ended:
+                        return
+                    self.cli.cancel(self.job_id)
+                    cancelled = True
+                    self.monitor.poke()  # then the monitor's back-off, not a look per loop
+                elif self._state is not None and self._state.ended:
+                    return
+                written = self._ends_written()
+                if written != ends:  # a host's toolkit has stopped: Slurm's end follows
+                    if ends >= 0:
+                        self.monitor.poke()
+                    ends = written
+            except BackendError as exc:
+                last = exc
+                time.sleep(1.0)  # Slurm does not answer: ask again, not at once
+            time.sleep(READ_S)
+        why = last or f"it was still {self._state.state if self._state else 'unknown'}"
+        raise BackendError(f"Slurm job {self.job_id} did not end within {timeout_s:g} s of "
+                           f"stop() ({why}); "
+                           f"check it with `{self._prefix()}squeue -j {self.job_id}`")
 
     @property
     def status(self) -> JobStatus:
@@ -245,8 +360,14 @@ class SlurmJob(JobHandle):
             final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
                            if done else None),
             extra={"SlurmJobId": self.job_id, "SlurmJobState": state.state,
+                   "SlurmReason": state.reason,
                    "SlurmRestartCount": state.restarts, "SlurmNodeList": state.nodes,
                    "SlurmStateSource": state.source})
+
+
+def _waits(state: SlurmState) -> bool:
+    """Pending for a reason worth saying ("None": the scheduler has not looked yet)."""
+    return state.state == "PENDING" and state.reason not in ("", "None")
 
 
 def read_record(files: JobFiles) -> dict:

@@ -3,10 +3,12 @@ Debian's slurm-wlm; helpers.slurm_cluster), nothing mocked: real sbatch, srun, s
 scancel, the toolkit on each node, a real Gloo group across the two nodes.
 
 The smp jobs are compared with the same script's local_process run (same seed, same
-topology): the Slurm backend must change where the job runs, not what it computes. A job that
-runs past max_run is submitted when the module starts (Slurm keeps time limits in whole
-minutes and checks them about every 30 s, so it ends in TIMEOUT 60-90 s later) and checked
-by the last test, so that wait overlaps the other tests.
+topology): the Slurm backend must change where the job runs, not what it computes. Two long
+jobs are submitted when the module starts and checked by its last tests, so that their waits
+overlap the other tests: one runs past max_run (Slurm keeps time limits in whole minutes and
+checks them about every 30 s, so it ends in TIMEOUT 60-90 s later) on node1, one needs three
+attempts of the one-minute partition `short` on node2. Every other job asks one CPU per node
+(cpus_per_task=1, not the default whole nodes), so it fits beside them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from fp16_sdk.pytorch import PyTorch
 from helpers.paths import REPO, SCRIPTS
 from helpers.slurm_cluster import slurm_cluster  # noqa: F401 (the fixture)
 
+SLURM_SCRIPTS = Path(__file__).parent / "scripts"
+
 pytestmark = [pytest.mark.slurm, pytest.mark.docker, pytest.mark.slow]
 
 LOSS = [{"Name": "loss", "Regex": r"loss=([0-9.]+)"}]
@@ -52,7 +56,8 @@ def _estimator(cluster, shared: Path, entry: str, *, instance_type: str = "slurm
                    output_path=kw.pop("output_path",
                                       f"file://{shared / ('jobs' if slurm else 'local')}"),
                    backend_options=({"submit_command": cluster.docker_submit_command,
-                                     **(options or {})} if slurm else {}), **kw)
+                                     "cpus_per_task": 1, **(options or {})} if slurm else {}),
+                   **kw)
 
 
 def _on_nodes(cluster, pattern: str) -> list[str]:
@@ -70,14 +75,36 @@ def overtime_job(slurm_cluster, shared):
     """A one-node job that sleeps past max_run=60 s, submitted as the module starts."""
     est = _estimator(slurm_cluster, shared, "slurm_probe.py", instance_count=1, max_run=60,
                      hyperparameters={"ticks": 400, "tick_s": 0.5},
-                     options={"cpus_per_task": 1})
+                     options={"sbatch_args": ["--nodelist=node1"]})
     est.fit(wait=False)
     yield est.latest_training_job
     est.latest_training_job.stop()
 
 
+# 1 s each. Slurm signals an attempt of the 1-minute partition 25 s before its limit (stop grace
+# 15 s + 10 s), or up to 60 s earlier: an attempt does at most ~33 ticks, so 70 need >= 3.
+CHAIN_TICKS = 70
+
+
+@pytest.fixture(scope="module")
+def chained_job(slurm_cluster, shared):
+    """A job of 70 s on the one-minute partition: it must go on over >= 3 attempts."""
+    store = shared / "chain"
+    store.mkdir()
+    est = PyTorch("chain_probe.py", source_dir=str(SLURM_SCRIPTS), framework_version="2.13",
+                  py_version="py311", instance_type="slurm", instance_count=1, max_run=900,
+                  output_path=f"file://{shared / 'jobs'}",
+                  hyperparameters={"ticks": CHAIN_TICKS, "tick_s": 1.0, "store": str(store)},
+                  backend_options={"submit_command": slurm_cluster.docker_submit_command,
+                                   "cpus_per_task": 1, "partition": "short",
+                                   "attempt_time_s": 60, "sbatch_args": ["--nodelist=node2"]})
+    est.fit(wait=False)
+    yield est, store
+    est.latest_training_job.stop()
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _start_overtime_job_first(overtime_job):
+def _start_long_jobs_first(overtime_job, chained_job):
     yield
 
 
@@ -230,7 +257,7 @@ from fp16_sdk.pytorch import PyTorch
 est = PyTorch("slurm_probe.py", source_dir={scripts!r}, framework_version="2.13",
               py_version="py311", instance_type="slurm", instance_count=2,
               output_path={output!r}, hyperparameters={{"ticks": 12, "tick_s": 0.5}},
-              backend_options={{"submit_command": {ssh!r}}})
+              backend_options={{"submit_command": {ssh!r}, "cpus_per_task": 1}})
 print("JOB", {name!r}, flush=True)
 est.fit(job_name={name!r})
 """
@@ -299,3 +326,29 @@ def test_max_run_exceeded_ends_in_max_runtime_exceeded(overtime_job):
     # grace (below KillWait), before Slurm's SIGKILL could end it silently.
     failure = overtime_job.files.hosts / "algo-1" / "output" / "failure"
     assert "Signal 15 SIGTERM" in failure.read_text(), failure.read_text()
+
+
+# ---- longer than the partition's time limit --------------------------------------------------
+
+def test_a_job_longer_than_the_partition_limit_goes_on_in_requeued_attempts(chained_job):
+    """Checked last (submitted when the module started): 70 ticks of 1 s on a partition whose
+    limit is one minute. Slurm signals each attempt before the limit; the toolkit stops the
+    script (it exits 0 after its checkpoint, the common way), the attempt requeues the job and
+    the next resumes after the newest checkpoint. fit()'s handle follows the chain as one job:
+    Completed, every tick done exactly once, in >= 3 attempts, each attempt's lines in the log."""
+    est, store = chained_job
+    job = est.latest_training_job
+    job.wait(logs=False)
+    assert job.status is JobStatus.COMPLETED, job.describe()["FailureReason"]
+    ticks = [line.split() for line in (store / "ticks.log").read_text().splitlines()]
+    assert [int(t) for t, _ in ticks] == list(range(CHAIN_TICKS))
+    attempts = sorted({int(a) for _, a in ticks})
+    assert len(attempts) >= 3 and attempts == list(range(len(attempts))), attempts
+    assert job.describe()["SlurmRestartCount"] == attempts[-1]
+    lines = job.log_lines()
+    for attempt in attempts[1:]:
+        assert f"algo-1 | attempt {attempt}: resuming after tick " \
+            f"{sum(1 for _, a in ticks if int(a) < attempt)}" in lines
+    assert any("SIGTERM after" in line for line in lines)
+    with tarfile.open(est.model_data[len("file://"):]) as t:
+        assert t.extractfile("done.txt").read() == str(CHAIN_TICKS).encode()

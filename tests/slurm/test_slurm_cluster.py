@@ -69,5 +69,5 @@ def test_ssh_submit_command_reaches_the_controller(slurm_cluster):
     assert over_ssh.returncode == 0, over_ssh.stderr
     direct = slurm_cluster.run(slurm_cluster.controller, *query)
     assert direct.returncode == 0, direct.stderr
-    assert over_ssh.stdout == direct.stdout
+    assert sorted(over_ssh.stdout.splitlines()) == sorted(direct.stdout.splitlines())
     assert {line.split()[0] for line in over_ssh.stdout.splitlines()} == set(slurm_cluster.nodes)
