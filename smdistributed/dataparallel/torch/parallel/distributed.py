@@ -41,5 +41,6 @@ class DistributedDataParallel(_TorchDDP):
             device_ids = None
         if bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = bucket_cap_mb
-        super().__init__(module, device_ids=device_ids, broadcast_buffers=broadcast_buffers,
-                         process_group=process_group, **kwargs)
+        if not broadcast_buffers:  # passed only when off: newer torch warns on the argument
+            kwargs["broadcast_buffers"] = False
+        super().__init__(module, device_ids=device_ids, process_group=process_group, **kwargs)
