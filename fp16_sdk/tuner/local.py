@@ -110,6 +110,7 @@ class LocalTuning:
         self.trials: list[dict] = []  # summaries in start order
         self.estimators: dict[str, Any] = {}  # trial name -> the estimator that ran it
         self._stop = threading.Event()
+        self._finished = threading.Event()  # set by the search thread as its last act
         self._thread: threading.Thread | None = None
         self._started = time.monotonic()
         self.record: dict = {}
@@ -164,6 +165,7 @@ class LocalTuning:
         self._save(**changes)
         self._say(f"tuning job {status}" + (f": {reason}" if reason else ""))
         _LIVE.discard(self)
+        self._finished.set()
 
     def _search(self, running: list[_Running]) -> tuple[str, str | None]:
         cfg = self.config
@@ -261,27 +263,39 @@ class LocalTuning:
             s["FailureReason"] = reason
         if value is not None:
             s["ObjectiveStatus"] = "Succeeded"
-            self.study.tell(item.trial, value)
+            self._tell(item.trial, value)
         elif pruned:  # SageMaker keeps an early-stopped job's last objective value
             s["ObjectiveStatus"] = "Succeeded" if item.reports else "Failed"
-            self.study.tell(item.trial, state=optuna.trial.TrialState.PRUNED)
+            self._tell(item.trial, state=optuna.trial.TrialState.PRUNED)
         else:
             s["ObjectiveStatus"] = "Failed"
-            self.study.tell(item.trial, state=optuna.trial.TrialState.FAIL)
+            self._tell(item.trial, state=optuna.trial.TrialState.FAIL)
         final = s.get("FinalHyperParameterTuningJobObjectiveMetric", {}).get("Value")
         self._say(f"{s['TrainingJobName']} {status}" + (f" ({reason})" if reason else "")
                   + (f", objective {final:g}" if final is not None else ""))
 
+    def _tell(self, trial: Any, value: float | None = None, **state: Any) -> None:
+        try:
+            self.study.tell(trial, value, **state)
+        except RuntimeError as exc:
+            # GridSampler calls study.stop() once every grid point has been tried, which
+            # Optuna allows only inside optimize(); tell() has stored the trial's state
+            # before (its `finally`), and max_jobs already ends the search at the grid's size.
+            if self.config.strategy != "Grid" or "Study.stop" not in str(exc):
+                raise
+
     # ---- control -------------------------------------------------------------------------
 
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._finished.is_set()
 
+    # An Event, not Thread.join: a join that Ctrl-C interrupts can mark the thread finished
+    # while it still runs (CPython), and the stop would then return with trials running.
     def wait(self) -> None:
         """Block until the tuning job ends; Ctrl-C stops it (every trial) and re-raises."""
         try:
             while self.running():
-                self._thread.join(0.2)
+                self._finished.wait(0.2)
         except KeyboardInterrupt:
             self.stop()
             raise
@@ -290,7 +304,7 @@ class LocalTuning:
         """Stop the search and every running trial; returns once nothing runs."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._finished.wait()
 
 
 def _pid() -> int:
