@@ -67,9 +67,17 @@ class TuningTable(Sequence[dict]):
         return [{c: r.get(c) for c in self.columns} for r in self._rows]
 
     def __repr__(self) -> str:
-        head = "  ".join(f"{c[:18]:>18}" for c in self.columns)
-        lines = ["  ".join(f"{str(r.get(c))[:18]:>18}" for c in self.columns) for r in self._rows]
-        return "\n".join([head, *lines])
+        def text(value: Any) -> str:
+            if isinstance(value, dt.datetime):
+                return value.strftime("%H:%M:%S")
+            return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+        cells = [[text(r.get(c)) for c in self.columns] for r in self._rows]
+        widths = [max([len(c), *(len(row[i]) for row in cells)])
+                  for i, c in enumerate(self.columns)]
+        lines = [[c.rjust(w) for c, w in zip(self.columns, widths)],
+                 *[[v.rjust(w) for v, w in zip(row, widths)] for row in cells]]
+        return "\n".join("  ".join(line) for line in lines)
 
 
 class HyperparameterTuningJobAnalytics:
