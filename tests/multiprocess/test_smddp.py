@@ -19,7 +19,7 @@ from fp16_sdk.pytorch import PyTorch
 from helpers.paths import TESTS
 
 
-def _reference() -> tuple[list, list]:
+def reference() -> tuple[list, list]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     x = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 10
@@ -42,9 +42,9 @@ def test_smddp_scripts_train_data_parallel(tmp_path, api):
     est.fit(logs="None")
     with tarfile.open(est.model_data[len("file://"):]) as tar:
         result = json.load(tar.extractfile("result.json"))
-    assert (result["world"], result["backend"], result["sum"], result["local_rank"]) == (
-        2, "smddp", 3.0, 0)
-    weight, bias = _reference()
+    assert (result["world"], result["backend"], result["sum"], result["local_rank"],
+            result["device"]) == (2, "smddp", 3.0, 0, "cpu")
+    weight, bias = reference()
     torch.testing.assert_close(torch.tensor(result["weight"]), torch.tensor(weight))
     torch.testing.assert_close(torch.tensor(result["bias"]), torch.tensor(bias))
     framework = result["training_env"]["additional_framework_parameters"]
