@@ -260,7 +260,8 @@ def build_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: int,
 
     Returns:
         {name: str value}: SM_*, SAGEMAKER_JOB_NAME, CURRENT_HOST, SAGEMAKER_REGION,
-        MASTER_ADDR, MASTER_PORT, NCCL_SOCKET_IFNAME, NCCL_DEBUG.
+        MASTER_ADDR, MASTER_PORT, NCCL_SOCKET_IFNAME, NCCL_DEBUG, and TRAINING_JOB_NAME when
+        the platform did not set it.
     """
     tenv = training_env(config, paths=paths, num_cpus=num_cpus, num_gpus=num_gpus,
                         environ=environ)
@@ -278,6 +279,11 @@ def build_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: int,
         "NCCL_SOCKET_IFNAME": tenv["network_interface_name"],
         "NCCL_DEBUG": "WARN",
     })
+    # SageMaker's platform sets TRAINING_JOB_NAME in the container; a backend that did not
+    # gets it from the job's name, so a script building the real toolkit's Environment()
+    # reads the same job_name as SM_TRAINING_ENV.
+    if not environ.get(contract.JOB_NAME_VAR) and hps.get("sagemaker_job_name"):
+        env[contract.JOB_NAME_VAR] = format_env_value(hps["sagemaker_job_name"])
     return env
 
 

@@ -111,6 +111,7 @@ def test_build_env_matches_the_contract():
         "SM_USER_ARGS": '["--epochs","3","--lr","0.01","--model-name","gpt",'
                         '"--mp_parameters","microbatches=4,partitions=2","--plain","not json{"]',
         "SAGEMAKER_JOB_NAME": "job-1", "CURRENT_HOST": "algo-2", "SAGEMAKER_REGION": "us-west-2",
+        "TRAINING_JOB_NAME": "job-1",  # SageMaker's platform variable, from the job's name
         "MASTER_ADDR": "algo-1", "MASTER_PORT": "7777",
         "NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN",
     }
