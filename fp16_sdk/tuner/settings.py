@@ -151,6 +151,38 @@ def _definitions(objective: str, metric_definitions: Any) -> tuple[Mapping[str, 
     return tuple(dict(md) for md in metric_definitions)
 
 
+def _max_jobs(strategy: str, max_jobs: Any, ranges: Mapping[str, ParameterRange]) -> int:
+    """max_jobs checked; its default: the grid's size for Grid, else 1 (SageMaker's)."""
+    if strategy != "Grid":
+        return _positive_int("max_jobs", 1 if max_jobs is None else max_jobs)
+    wrong = [n for n, r in ranges.items() if not isinstance(r, CategoricalParameter)]
+    if wrong:
+        raise ConfigError(f"strategy='Grid' searches CategoricalParameter ranges only; "
+                          f"{wrong[0]!r} is a {type(ranges[wrong[0]]).__name__}: make it a "
+                          "CategoricalParameter or pick another strategy",
+                          key=f"hyperparameter_ranges.{wrong[0]}", value=ranges[wrong[0]])
+    combinations = math.prod(len(r.values) for r in ranges.values())
+    if max_jobs is None:
+        return combinations
+    if _positive_int("max_jobs", max_jobs) > combinations:
+        raise ConfigError(f"max_jobs ({max_jobs}) is more than the grid's {combinations} "
+                          "combinations; lower max_jobs or leave it unset",
+                          key="max_jobs", value=max_jobs)
+    return max_jobs
+
+
+def _check_static(names: Any, autotune: Any) -> None:
+    if names is None:
+        return
+    if not autotune:
+        raise ConfigError("hyperparameters_to_keep_static is set but autotune is False; "
+                          "set autotune=True or drop it", key="hyperparameters_to_keep_static",
+                          value=names)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"hyperparameters_to_keep_static {names!r} repeats a name; list "
+                          "each once", key="hyperparameters_to_keep_static", value=names)
+
+
 def check_config(*, objective_metric_name: Any, hyperparameter_ranges: Any,
                  metric_definitions: Any, strategy: Any, objective_type: Any, max_jobs: Any,
                  max_parallel_jobs: Any, max_runtime_in_seconds: Any, early_stopping_type: Any,
@@ -176,23 +208,7 @@ def check_config(*, objective_metric_name: Any, hyperparameter_ranges: Any,
                           key="early_stopping_type", value=early)
     definitions = _definitions(objective_metric_name, metric_definitions)
     max_parallel = _positive_int("max_parallel_jobs", max_parallel_jobs)
-    if strategy == "Grid":
-        wrong = [n for n, r in ranges.items() if not isinstance(r, CategoricalParameter)]
-        if wrong:
-            raise ConfigError(f"strategy='Grid' searches CategoricalParameter ranges only; "
-                              f"{wrong[0]!r} is a {type(ranges[wrong[0]]).__name__}: make it a "
-                              "CategoricalParameter or pick another strategy",
-                              key=f"hyperparameter_ranges.{wrong[0]}", value=ranges[wrong[0]])
-        combinations = math.prod(len(r.values) for r in ranges.values())
-        if max_jobs is None:
-            max_jobs = combinations
-        elif _positive_int("max_jobs", max_jobs) > combinations:
-            raise ConfigError(f"max_jobs ({max_jobs}) is more than the grid's {combinations} "
-                              "combinations; lower max_jobs or leave it unset",
-                              key="max_jobs", value=max_jobs)
-    elif max_jobs is None:
-        max_jobs = 1  # SageMaker's default for every strategy but Grid
-    max_jobs = _positive_int("max_jobs", max_jobs)
+    max_jobs = _max_jobs(strategy, max_jobs, ranges)
     if random_seed is not None and (isinstance(random_seed, bool)
                                     or not isinstance(random_seed, int)):
         raise ConfigError(f"random_seed={random_seed!r} must be an integer", key="random_seed",
@@ -200,17 +216,7 @@ def check_config(*, objective_metric_name: Any, hyperparameter_ranges: Any,
     if max_runtime_in_seconds is not None:
         _positive_int("max_runtime_in_seconds", max_runtime_in_seconds)
     low, high = _hyperband_resources(strategy, strategy_config)
-    if hyperparameters_to_keep_static is not None:
-        if not autotune:
-            raise ConfigError("hyperparameters_to_keep_static is set but autotune is False; "
-                              "set autotune=True or drop it",
-                              key="hyperparameters_to_keep_static",
-                              value=hyperparameters_to_keep_static)
-        if len(set(hyperparameters_to_keep_static)) != len(hyperparameters_to_keep_static):
-            raise ConfigError(f"hyperparameters_to_keep_static {hyperparameters_to_keep_static!r}"
-                              " repeats a name; list each once",
-                              key="hyperparameters_to_keep_static",
-                              value=hyperparameters_to_keep_static)
+    _check_static(hyperparameters_to_keep_static, autotune)
     return TuningConfig(
         objective_metric_name=objective_metric_name, objective_type=objective_type,
         ranges=ranges, metric_definitions=definitions, strategy=strategy, max_jobs=max_jobs,

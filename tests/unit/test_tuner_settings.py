@@ -173,4 +173,3 @@ def test_describe_counters_best_and_analytics_rows_by_hand():
     assert rows[0]["TrainingElapsedTimeSeconds"] == 30.0
     assert rows[2]["FinalObjectiveValue"] is None
     assert row_of(trials[1])["TrainingElapsedTimeSeconds"] is None
-    json.dumps([{k: str(v) for k, v in r.items()} for r in rows])
