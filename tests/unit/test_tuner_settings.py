@@ -7,7 +7,6 @@ Optuna itself (the samplers/pruners it gives for each strategy; a reverse-log ra
 from __future__ import annotations
 
 import datetime as dt
-import json
 
 import optuna
 import pytest
