@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from fp16_sdk.errors import BackendError
+from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.tuner.settings import TuningConfig
 
 __all__ = ["SageMakerTuning", "training_definition", "prepare_definition", "TERMINAL"]
@@ -29,12 +29,15 @@ TERMINAL = ("Completed", "Failed", "Stopped")
 
 
 def _call(client: Any, operation: str, **request: Any) -> dict:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError, ParamValidationError
 
+    name = client.meta.method_to_api_mapping.get(operation, operation)
     try:
         response = getattr(client, operation)(**request)
+    except ParamValidationError as err:  # botocore's check against AWS's API model
+        raise ConfigError(f"the {name} request does not fit SageMaker's API: {err}; fix the "
+                          "argument it names", key=name, value=None) from None
     except ClientError as err:
-        name = client.meta.method_to_api_mapping.get(operation, operation)
         raise BackendError(f"{name} was refused: "
                            f"{err.response.get('Error', {}).get('Message', err)}") from err
     response.pop("ResponseMetadata", None)
@@ -166,7 +169,6 @@ def prepare_definition(estimator: Any, inputs: Any, *, name: str, config: Tuning
         check_remote_request(spec, BACKENDS["sagemaker"])
         backend = SageMakerBackend(session)
         if not spec.role:
-            from fp16_sdk.errors import ConfigError
             raise ConfigError("role is required for SageMaker tuning jobs: pass role='arn:aws:"
                               "iam::<account>:role/<SageMaker execution role>' to the estimator",
                               key="role", value=None)

@@ -81,7 +81,9 @@ class _Running:
     summary: dict
     handle: JobHandle | None = None
     estimator: Any = None
-    reports: int = 0
+    reports: int = 0  # objective values told to Optuna
+    lines: int = 0  # log lines already read
+    series: list = dataclasses.field(default_factory=list)  # the objective's values so far
 
 
 class LocalTuning:
@@ -213,8 +215,11 @@ class LocalTuning:
         if item.handle is None:
             return True  # failed at submission
         job_status = item.handle.status  # read before the logs: no line is missed at the end
-        series = parse_metrics(item.handle.log_lines(), self.config.metric_definitions).series(
+        lines = item.handle.log_lines()
+        item.series += parse_metrics(lines[item.lines:], self.config.metric_definitions).series(
             self.config.objective_metric_name)
+        item.lines = len(lines)
+        series = item.series
         for step in range(item.reports, len(series)):
             item.trial.report(series[step], step)
         item.reports = len(series)

@@ -47,6 +47,7 @@ class TuningConfig:
         min_resource, max_resource: Hyperband's (HyperbandStrategyConfig MinResource /
             MaxResource: metric reports, e.g. epochs); None: Optuna's defaults.
         autotune, hyperparameters_to_keep_static: SageMaker's Autotune (SageMaker only).
+        completion_criteria: TuningJobCompletionCriteria (SageMaker only).
     """
 
     objective_metric_name: str
@@ -63,6 +64,7 @@ class TuningConfig:
     max_resource: int | None = None
     autotune: bool = False
     hyperparameters_to_keep_static: tuple[str, ...] | None = None
+    completion_criteria: Mapping[str, Any] | None = None
 
     @property
     def minimize(self) -> bool:
@@ -96,6 +98,8 @@ class TuningConfig:
             hyperband = {k: v for k, v in (("MinResource", self.min_resource),
                                            ("MaxResource", self.max_resource)) if v is not None}
             config["StrategyConfig"] = {"HyperbandStrategyConfig": hyperband}
+        if self.completion_criteria is not None:
+            config["TuningJobCompletionCriteria"] = dict(self.completion_criteria)
         return config
 
 

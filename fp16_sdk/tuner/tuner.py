@@ -14,8 +14,10 @@ Not offered (refused with a ConfigError naming the argument): several estimators
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
+import re
 import time
 from typing import Any
 
@@ -133,7 +135,6 @@ class HyperparameterTuner:
 
     def _job_name(self, job_name: str | None) -> str:
         if job_name is not None:
-            import re
             if not isinstance(job_name, str) or len(job_name) > TUNING_JOB_NAME_MAX_LENGTH or \
                     not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9])*", job_name):
                 raise ConfigError(f"job_name={job_name!r} must be 1 to 32 letters, digits and "
@@ -217,7 +218,7 @@ class HyperparameterTuner:
         if self.completion_criteria_config is not None:
             criteria = self.completion_criteria_config
             criteria = criteria.to_input_req() if hasattr(criteria, "to_input_req") else criteria
-            config = _with_criteria(config, criteria)
+            config = dataclasses.replace(config, completion_criteria=dict(criteria))
         tuning.create(config=config, definition=definition, tags=self.tags,
                       warm_start_config=warm)
         self.latest_tuning_job = tuning
@@ -350,17 +351,6 @@ def _with_times(summary: dict) -> dict:
         if isinstance(out.get(key), str):
             out[key] = dt.datetime.fromisoformat(out[key])
     return out
-
-
-def _with_criteria(config: TuningConfig, criteria: dict) -> TuningConfig:
-    class _Config(type(config)):  # the request with TuningJobCompletionCriteria added
-        def tuning_config_request(self, *, json_categoricals: bool) -> dict:
-            request = super().tuning_config_request(json_categoricals=json_categoricals)
-            request["TuningJobCompletionCriteria"] = dict(criteria)
-            return request
-
-    import dataclasses
-    return _Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
 def _attach_sagemaker_job(name: str, session: Any) -> Any:

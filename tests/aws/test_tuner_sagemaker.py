@@ -24,6 +24,7 @@ from botocore.awsrequest import AWSResponse
 
 from helpers.aws import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
 from helpers.aws import capture_requests, make_buckets
+from fp16_sdk.errors import ConfigError
 from fp16_sdk.pytorch import PyTorch
 from fp16_sdk.session import Session
 from fp16_sdk.tuner import (CategoricalParameter, ContinuousParameter, HyperparameterTuner,
@@ -177,3 +178,19 @@ def test_stop_and_list_requests_pass_botocores_validation(session):
                      "FinalObjectiveValue": 0.25, "TrainingStartTime": t0,
                      "TrainingEndTime": t0 + dt.timedelta(seconds=90),
                      "TrainingElapsedTimeSeconds": 90.0}]
+
+
+def test_sagemaker_only_features_reach_the_request(session):
+    sent = capture_requests(session, "CreateHyperParameterTuningJob")
+    warm = {"ParentHyperParameterTuningJobs": [{"HyperParameterTuningJobName": "tune-0"}],
+            "WarmStartType": "TransferLearning"}
+    _tuner(session, completion_criteria_config={"TargetObjectiveMetricValue": 0.1},
+           warm_start_config=warm).fit(job_name="tune-5", wait=False)
+    (request,) = sent
+    assert request["HyperParameterTuningJobConfig"]["TuningJobCompletionCriteria"] == {
+        "TargetObjectiveMetricValue": 0.1}
+    assert request["WarmStartConfig"] == warm
+    # What AWS's API model refuses is refused before the call, naming the field.
+    with pytest.raises(ConfigError, match="TargetObjectiveValue"):
+        _tuner(session, completion_criteria_config={"TargetObjectiveValue": 0.1}).fit(
+            job_name="tune-6", wait=False)
