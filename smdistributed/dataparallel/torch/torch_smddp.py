@@ -10,6 +10,7 @@ cannot tell which device it is being asked for, so one library serves the one de
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,15 @@ def library() -> str:
 
 def _create(store: dist.Store, rank: int, size: int,
             timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """torch.distributed's creation hook for one group of the `smddp` backend."""
+    """torch.distributed's creation hook for one group of the `smddp` backend.
+
+    On GPUs the process's current device becomes its local rank's GPU (one process per GPU,
+    as smddp binds it): AWS's 2022 examples build their model on `torch.device("cuda")` after
+    init_process_group and only then call `torch.cuda.set_device(local_rank)`.
+    """
     if DEVICE == "cuda":
+        if "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
