@@ -2,21 +2,25 @@
 
 `describe_from_record` turns a local record into DescribeHyperParameterTuningJob's shape
 (counters, BestTrainingJob, datetimes); `attached_tuner` rebuilds a tuner's settings from any
-such description (SageMaker's or a record's); `RecordedJob` is the JobHandle of a local trial
-seen from another process, read from the record.
+such description (SageMaker's or a record's); `RecordedTuning` is a local tuning job run by
+another process (describe, wait, stop, training_jobs: the interface `LocalTuning` and
+`SageMakerTuning` also offer); `RecordedJob` is the JobHandle of one of its trials.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from typing import Any
 
 from fp16_sdk.backends.base import JobHandle, JobStatus
+from fp16_sdk.tuner import records
 from fp16_sdk.tuner.ranges import CategoricalParameter, ContinuousParameter, IntegerParameter
 from fp16_sdk.tuner.settings import TuningConfig
 
-__all__ = ["describe_from_record", "best_summary", "attached_tuner", "RecordedJob"]
+__all__ = ["describe_from_record", "best_summary", "attached_tuner", "RecordedJob",
+           "RecordedTuning"]
 
 _TIMES = ("CreationTime", "HyperParameterTuningEndTime", "LastModifiedTime",
           "TrainingStartTime", "TrainingEndTime")
@@ -59,6 +63,39 @@ def describe_from_record(record: dict) -> dict:
     if best is not None:
         desc["BestTrainingJob"] = _times(best)
     return _times(desc)
+
+
+def summaries_of(record: dict) -> list[dict]:
+    """A record's trials as ListTrainingJobsForHyperParameterTuningJob's summaries."""
+    return [_times(t) for t in record.get("Trials", [])]
+
+
+class RecordedTuning:
+    """A local tuning job seen through its record (run by this or another process).
+
+    Args:
+        name: the tuning job's name.
+        poll_interval: seconds between reads while waiting.
+    """
+
+    def __init__(self, name: str, *, poll_interval: float = 0.5):
+        self.name, self.poll_interval = name, poll_interval
+
+    def describe(self) -> dict:
+        return describe_from_record(records.read_record(self.name))
+
+    def training_jobs(self) -> list[dict]:
+        return summaries_of(records.read_record(self.name))
+
+    def wait(self) -> None:
+        """Poll the record until the tuning job has ended."""
+        while self.describe()["HyperParameterTuningJobStatus"] not in records.TERMINAL:
+            time.sleep(self.poll_interval)
+
+    def stop(self) -> None:
+        """Ask the searching process to stop; return once it has stopped every trial."""
+        records.request_stop(self.name)
+        self.wait()
 
 
 def _ranges(parameter_ranges: dict, *, json_values: bool) -> dict:

@@ -289,6 +289,16 @@ class LocalTuning:
             if self.config.strategy != "Grid" or "Study.stop" not in str(exc):
                 raise
 
+    def describe(self) -> dict:
+        """DescribeHyperParameterTuningJob's shape, from the record."""
+        from fp16_sdk.tuner.attach import describe_from_record
+        return describe_from_record(records.read_record(self.name))
+
+    def training_jobs(self) -> list[dict]:
+        """The trials as ListTrainingJobsForHyperParameterTuningJob's summaries."""
+        from fp16_sdk.tuner.attach import summaries_of
+        return summaries_of(records.read_record(self.name))
+
     # ---- control -------------------------------------------------------------------------
 
     def running(self) -> bool:

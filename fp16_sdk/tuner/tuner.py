@@ -15,7 +15,6 @@ Not offered (refused with a ConfigError naming the argument): several estimators
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import logging
 import re
 import time
@@ -25,8 +24,8 @@ from fp16_sdk.backends.base import backend_entry
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.tuner import records
 from fp16_sdk.tuner.analytics import HyperparameterTuningJobAnalytics
-from fp16_sdk.tuner.attach import RecordedJob, attached_tuner, describe_from_record
-from fp16_sdk.tuner.settings import TUNING_JOB_NAME_MAX_LENGTH, TuningConfig, check_config
+from fp16_sdk.tuner.attach import RecordedJob, RecordedTuning, attached_tuner
+from fp16_sdk.tuner.settings import TUNING_JOB_NAME_MAX_LENGTH, check_config
 
 __all__ = ["HyperparameterTuner"]
 
@@ -113,7 +112,9 @@ class HyperparameterTuner:
                                       f"here: drop {key} or tune on an ml.* instance type",
                                       key=key, value=value)
         self._current_job_name: str | None = None
-        self.latest_tuning_job: Any = None  # LocalTuning, SageMakerTuning, or a name (attach)
+        # LocalTuning (searching here), RecordedTuning (a local job attached) or SageMakerTuning:
+        # each has name, describe(), wait(), stop() and training_jobs().
+        self.latest_tuning_job: Any = None
 
     # ---- SageMaker's attributes ----------------------------------------------------------
 
@@ -233,21 +234,11 @@ class HyperparameterTuner:
 
     def describe(self) -> dict:
         """DescribeHyperParameterTuningJob's response for this tuning job."""
-        job = self._require()
-        if isinstance(job, str):  # attached local job: read its record
-            return describe_from_record(records.read_record(job))
-        if hasattr(job, "record"):
-            return describe_from_record(records.read_record(job.name))
-        return job.describe()
+        return self._require().describe()
 
     def wait(self) -> None:
         """Block until the tuning job ends (a local one: Ctrl-C stops it and its trials)."""
-        job = self._require()
-        if isinstance(job, str):
-            while self.describe()["HyperParameterTuningJobStatus"] not in records.TERMINAL:
-                time.sleep(0.5)
-        else:
-            job.wait()
+        self._require().wait()
 
     def stop_tuning_job(self) -> None:
         """Stop the tuning job and every running trial.
@@ -255,19 +246,10 @@ class HyperparameterTuner:
         Locally this returns once no trial runs (another process's job: once its search has
         seen the request and stopped its trials); on SageMaker, once the request is sent.
         """
-        job = self._require()
-        if isinstance(job, str):
-            records.request_stop(job)
-            self.wait()
-        else:
-            job.stop()
+        self._require().stop()
 
     def _summaries(self) -> list[dict]:
-        job = self._require()
-        if isinstance(job, str) or hasattr(job, "record"):
-            name = job if isinstance(job, str) else job.name
-            return [_with_times(t) for t in records.read_record(name).get("Trials", [])]
-        return job.training_jobs()
+        return self._require().training_jobs()
 
     def best_training_job(self) -> str:
         """The name of the best training job so far.
@@ -292,7 +274,7 @@ class HyperparameterTuner:
         """
         name = best_training_job or self.best_training_job()
         job = self._require()
-        if self._on_sagemaker and not isinstance(job, str):
+        if self._on_sagemaker:
             return type(self.estimator).attach(name, sagemaker_session=job.session) \
                 if self.estimator is not None else _attach_sagemaker_job(name, job.session)
         local = getattr(job, "estimators", {})
@@ -314,8 +296,7 @@ class HyperparameterTuner:
         return HyperparameterTuningJobAnalytics(self._job(), self._summaries)
 
     def _job(self) -> str:
-        job = self._require()
-        return job if isinstance(job, str) else job.name
+        return self._require().name
 
     @classmethod
     def attach(cls, tuning_job_name: str, sagemaker_session: Any = None,
@@ -334,23 +315,15 @@ class HyperparameterTuner:
         """
         if sagemaker_session is None and job_details is None and \
                 records.has_record(tuning_job_name):
-            return attached_tuner(cls, tuning_job_name,
-                                  describe_from_record(records.read_record(tuning_job_name)),
-                                  job=tuning_job_name, on_sagemaker=False)
+            job = RecordedTuning(tuning_job_name)
+            return attached_tuner(cls, tuning_job_name, job.describe(), job=job,
+                                  on_sagemaker=False)
         from fp16_sdk.session import Session
         from fp16_sdk.tuner.aws import SageMakerTuning
 
         job = SageMakerTuning(tuning_job_name, sagemaker_session or Session())
         desc = job_details or job.describe()
         return attached_tuner(cls, tuning_job_name, desc, job=job, on_sagemaker=True)
-
-
-def _with_times(summary: dict) -> dict:
-    out = dict(summary)
-    for key in ("CreationTime", "TrainingStartTime", "TrainingEndTime"):
-        if isinstance(out.get(key), str):
-            out[key] = dt.datetime.fromisoformat(out[key])
-    return out
 
 
 def _attach_sagemaker_job(name: str, session: Any) -> Any:
