@@ -287,8 +287,25 @@ class _ModelParallel(_Strict):
         return v
 
 
+class _DataParallel(_Strict):
+    enabled: bool = Field(False, description="Enable smdistributed.dataparallel (smddp): one "
+                                             "process per GPU; on a host without GPUs, one.")
+    custom_mpi_options: str = Field(
+        "", description="mpirun options; -x NAME[=value] exports are applied, others are "
+                        "logged as not applied (we launch with torchrun).")
+
+
 class _SMDistributed(_Strict):
     modelparallel: Optional[_ModelParallel] = Field(None, description="smp v1 model parallelism.")
+    dataparallel: Optional[_DataParallel] = Field(
+        None, description="SageMaker's distributed data parallel library (smddp).")
+
+    @model_validator(mode="after")
+    def _one_strategy(self) -> "_SMDistributed":
+        if self.modelparallel is not None and self.dataparallel is not None:
+            raise ValueError("smdistributed holds both 'modelparallel' and 'dataparallel'; "
+                             "SageMaker takes one smdistributed strategy: keep one of them")
+        return self
 
 
 class _Distribution(_Strict):
@@ -310,6 +327,9 @@ class DistributionConfig:
     def __init__(self, raw: _Distribution, instance_type: str | None):
         mp = raw.smdistributed.modelparallel if raw.smdistributed else None
         self.smp: SMPParameters | None = mp.parameters if mp and mp.enabled else None
+        dp = raw.smdistributed.dataparallel if raw.smdistributed else None
+        self.smddp: _DataParallel | None = dp if dp and dp.enabled else None
+        self.smdistributed = raw.smdistributed is not None
         self.mpi: MPIConfig | None = raw.mpi
         self.torch_distributed = bool((raw.torch_distributed and raw.torch_distributed.enabled)
                                       or (raw.pytorchddp and raw.pytorchddp.enabled))
@@ -339,7 +359,8 @@ class DistributionConfig:
 
     @property
     def distributed(self) -> bool:
-        return bool(self.smp or (self.mpi and self.mpi.enabled) or self.torch_distributed)
+        return bool(self.smp or self.smddp or (self.mpi and self.mpi.enabled)
+                    or self.torch_distributed)
 
     def hyperparameters(self) -> dict[str, Any]:
         """Raw (not yet JSON-encoded) hyperparameters the distribution adds, as SageMaker's SDK."""
@@ -354,6 +375,11 @@ class DistributionConfig:
             hps["sagemaker_torch_distributed_enabled"] = True
         if self.smp is not None:
             hps["mp_parameters"] = self.smp.to_hyperparameter()
+        if self.smdistributed:  # as SageMaker's SDK: the flag goes with any smdistributed block
+            hps["sagemaker_distributed_dataparallel_enabled"] = self.smddp is not None
+            if self.smddp is not None:
+                hps["sagemaker_distributed_dataparallel_custom_mpi_options"] = \
+                    self.smddp.custom_mpi_options
         if hps and self.instance_type:
             hps["sagemaker_instance_type"] = self.instance_type
         return hps

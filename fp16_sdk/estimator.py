@@ -278,11 +278,29 @@ class Estimator:
             self._fit(inputs, wait, logs, job_name)
 
     def _fit(self, inputs, wait, logs, job_name) -> None:
-        settings, entry = self._validate()
         if not isinstance(wait, bool):
             raise _fail("wait", wait, "must be True or False")
         if logs not in (True, False, "All", "None", "Rules"):
             raise _fail("logs", logs, "must be 'All', 'None', True or False")
+        settings, spec, folder = self._prepare_job(inputs, job_name)
+        try:
+            self.latest_training_job = backend_for(settings.job_instance_type,
+                                                   session=settings.session).submit(spec)
+        finally:
+            if folder.temporary:  # the backend uploaded the package inside submit()
+                folder.release()
+        if wait:
+            self.latest_training_job.wait(logs=logs)
+
+    def _prepare_job(self, inputs, job_name) -> tuple[Settings, Any, Any]:
+        """Everything fit() does before submitting: checks, name, folder, package, JobSpec.
+
+        Returns:
+            (settings, the JobSpec, the claimed JobFolder: the caller releases a temporary
+            one after the backend has uploaded the package). The tuner's SageMaker path
+            builds its training definition from the same spec.
+        """
+        settings, entry = self._validate()
         placement = entry.placement
         channels = job.channels(inputs, settings, placement)
         self._note_no_effect(settings, placement)
@@ -312,14 +330,7 @@ class Estimator:
                             processes_per_host=self._processes_per_host(),
                             sagemaker=self._sagemaker_options())
         self._reserved, self._current_job_name = reserved, name
-        try:
-            self.latest_training_job = backend_for(settings.job_instance_type,
-                                                   session=settings.session).submit(spec)
-        finally:
-            if folder.temporary:  # the backend uploaded the package inside submit()
-                folder.release()
-        if wait:
-            self.latest_training_job.wait(logs=logs)
+        return settings, spec, folder
 
     def _note_no_effect(self, settings: Settings, placement: Placement) -> None:
         """Log once per estimator the SageMaker-only arguments this placement does not use."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,7 +209,9 @@ def training_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: in
         "instance_groups_dict": {g.get("instance_group_name"): g for g in groups},
         "is_hetero": len(groups) > 1,
         "is_master": config.current_host == (dist_hosts or config.hosts)[0],
-        "is_modelparallel_enabled": bool(hps.get("mp_parameters")),
+        "is_modelparallel_enabled": _modelparallel_enabled(environ),
+        "is_smddpmprun_installed": _installed("smddpmprun", environ),
+        "is_smddprun_installed": _installed("smddprun", environ),
         "job_name": environ.get(contract.JOB_NAME_VAR) or hps.get("sagemaker_job_name"),
         "log_level": hps.get("sagemaker_container_log_level", 20),
         "master_hostname": (dist_hosts or config.hosts)[0],
@@ -223,8 +226,22 @@ def training_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: in
         "output_dir": str(paths.output),
         "output_intermediate_dir": str(paths.output_intermediate),
         "resource_config": rc,
+        "topology": list(rc.get("topology", [])),  # host -> capacity unit (GB200 only)
         "user_entry_point": program,
     }
+
+
+def _modelparallel_enabled(environ: Mapping[str, str]) -> bool | str | None:
+    """The real toolkit's `mp and mp != "{}"` over its own SM_HP_MP_PARAMETERS: the toolkit
+    sets SM_HP_* for the script, not for itself, so in a real container this is null."""
+    mp = environ.get("SM_HP_MP_PARAMETERS")
+    return mp and mp != "{}"
+
+
+def _installed(program: str, environ: Mapping[str, str]) -> bool:
+    """`which <program>` as the real toolkit runs it (smddprun, smddpmprun: AWS's launchers,
+    which no image of ours has)."""
+    return shutil.which(program, path=environ.get("PATH") or os.defpath) is not None
 
 
 _DISTRIBUTION_FLAGS = contract.DISTRIBUTION_FLAGS
@@ -243,7 +260,8 @@ def build_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: int,
 
     Returns:
         {name: str value}: SM_*, SAGEMAKER_JOB_NAME, CURRENT_HOST, SAGEMAKER_REGION,
-        MASTER_ADDR, MASTER_PORT, NCCL_SOCKET_IFNAME, NCCL_DEBUG.
+        MASTER_ADDR, MASTER_PORT, NCCL_SOCKET_IFNAME, NCCL_DEBUG, and TRAINING_JOB_NAME when
+        the platform did not set it.
     """
     tenv = training_env(config, paths=paths, num_cpus=num_cpus, num_gpus=num_gpus,
                         environ=environ)
@@ -261,6 +279,11 @@ def build_env(config: JobConfig, *, paths: Paths, num_cpus: int, num_gpus: int,
         "NCCL_SOCKET_IFNAME": tenv["network_interface_name"],
         "NCCL_DEBUG": "WARN",
     })
+    # SageMaker's platform sets TRAINING_JOB_NAME in the container; a backend that did not
+    # gets it from the job's name, so a script building the real toolkit's Environment()
+    # reads the same job_name as SM_TRAINING_ENV.
+    if not environ.get(contract.JOB_NAME_VAR) and hps.get("sagemaker_job_name"):
+        env[contract.JOB_NAME_VAR] = format_env_value(hps["sagemaker_job_name"])
     return env
 
 
@@ -299,6 +322,8 @@ def _sm_fields(tenv: Mapping[str, Any], user_hps: Mapping[str, Any]) -> dict[str
         "user_args": to_cmd_args(user_hps),
         "output_intermediate_dir": tenv["output_intermediate_dir"],
     }
+    if tenv["topology"]:  # as the real toolkit: SM_TOPOLOGY only when there is one
+        fields["topology"] = tenv["topology"]
     fields.update({f"channel_{ch}": p for ch, p in tenv["channel_input_dirs"].items()})
     fields.update({f"hp_{k}": v for k, v in user_hps.items()})
     return fields

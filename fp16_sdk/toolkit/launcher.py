@@ -3,7 +3,9 @@
 SageMaker's toolkit starts smdistributed jobs with mpirun. We start them with PyTorch's own
 launcher (`python -m torch.distributed.run`, i.e. torchrun): one process per GPU (or
 `processes_per_host`), node rank = position of this host in `hosts`, rendezvous at the first
-host on port 7777. Of `custom_mpi_options` we apply the `-x NAME[=value]` exports and say in
+host on port 7777. smdistributed.dataparallel (smddp) jobs are launched the same way, one
+process per GPU as SageMaker's smddprun does; on a host without GPUs (which SageMaker does not
+offer for smddp) the rule is one process per host, its `smddp` backend then being Gloo. Of `custom_mpi_options` we apply the `-x NAME[=value]` exports and say in
 one log line which other mpirun options have no torchrun equivalent. Like SageMaker's mpirun
 command for model parallel jobs, we export NCCL_PROTO=simple when `mp_parameters` is set.
 
@@ -32,7 +34,8 @@ __all__ = ["MPIOptions", "LaunchPlan", "parse_custom_mpi_options", "distribution
 
 # Hyperparameters that ask for a multi-process launch.
 _DISTRIBUTION_KEYS = ("sagemaker_mpi_enabled", "sagemaker_torch_distributed_enabled",
-                      "sagemaker_pytorch_ddp_enabled")
+                      "sagemaker_pytorch_ddp_enabled", "sagemaker_distributed_dataparallel_enabled")
+_SMDDP_KEY = "sagemaker_distributed_dataparallel_enabled"
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,8 @@ def parse_custom_mpi_options(text: str | None) -> MPIOptions:
 
 
 def distribution_enabled(hyperparameters: Mapping[str, Any]) -> bool:
-    """True when the job asks for torchrun: mpi / torch_distributed / pytorchddp on, or
-    smp's `mp_parameters` present."""
+    """True when the job asks for torchrun: mpi / torch_distributed / pytorchddp / smddp on,
+    or smp's `mp_parameters` present."""
     return (any(_truthy(hyperparameters.get(k)) for k in _DISTRIBUTION_KEYS)
             or "mp_parameters" in hyperparameters)
 
@@ -96,13 +99,14 @@ def _truthy(value: Any) -> bool:
 
 
 def processes_per_host(hyperparameters: Mapping[str, Any], num_gpus: int) -> int:
-    """`sagemaker_mpi_num_of_processes_per_host`, else one per GPU, else 1.
+    """`sagemaker_mpi_num_of_processes_per_host`, else one per GPU, else 1 (smddp jobs: always
+    one per GPU, else 1, as smddprun).
 
     Raises:
         ConfigError: the value is not a positive integer.
     """
     value = hyperparameters.get("sagemaker_mpi_num_of_processes_per_host")
-    if value is None:
+    if value is None or _truthy(hyperparameters.get(_SMDDP_KEY)):
         return max(num_gpus, 1)
     try:
         count = int(value)
@@ -242,7 +246,9 @@ def build_plan(config: JobConfig, *, code_dir: Path, num_gpus: int,
     nproc = processes_per_host(hps, num_gpus)
     if "mp_parameters" in hps:
         env_updates["NCCL_PROTO"] = "simple"  # what SageMaker's mpirun exports for smp jobs
-    mpi = parse_custom_mpi_options(hps.get("sagemaker_mpi_custom_mpi_options"))
+    mpi_key = ("sagemaker_distributed_dataparallel_custom_mpi_options"
+               if _truthy(hps.get(_SMDDP_KEY)) else "sagemaker_mpi_custom_mpi_options")
+    mpi = parse_custom_mpi_options(hps.get(mpi_key))
     for name, value in mpi.exports.items():
         if value is not None:
             env_updates[name] = value

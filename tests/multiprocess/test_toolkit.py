@@ -111,6 +111,7 @@ def test_build_env_matches_the_contract():
         "SM_USER_ARGS": '["--epochs","3","--lr","0.01","--model-name","gpt",'
                         '"--mp_parameters","microbatches=4,partitions=2","--plain","not json{"]',
         "SAGEMAKER_JOB_NAME": "job-1", "CURRENT_HOST": "algo-2", "SAGEMAKER_REGION": "us-west-2",
+        "TRAINING_JOB_NAME": "job-1",  # SageMaker's platform variable, from the job's name
         "MASTER_ADDR": "algo-1", "MASTER_PORT": "7777",
         "NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN",
     }
@@ -120,7 +121,13 @@ def test_build_env_matches_the_contract():
     assert training_env["channel_input_dirs"] == {"training": "/opt/ml/input/data/training",
                                                   "eval": "/opt/ml/input/data/eval"}
     assert training_env["master_hostname"] == "algo-2"  # first host of the distribution group
-    assert training_env["is_master"] is True and training_env["is_modelparallel_enabled"] is True
+    assert training_env["is_master"] is True
+    # The real toolkit reads SM_HP_MP_PARAMETERS from its own environment, where it is never
+    # set (it is set for the script): null even for this smp job, as in AWS's image.
+    assert training_env["is_modelparallel_enabled"] is None
+    assert training_env["is_smddprun_installed"] is False
+    assert training_env["is_smddpmprun_installed"] is False
+    assert training_env["topology"] == [] and "SM_TOPOLOGY" not in env
     assert training_env["num_gpus"] == 4 and training_env["module_name"] == "train"
 
 

@@ -73,6 +73,8 @@ def test_hyperparameters_carry_mp_parameters_and_mpi_keys():
         "sagemaker_mpi_enabled": True, "sagemaker_mpi_num_of_processes_per_host": 2,
         "sagemaker_mpi_custom_mpi_options": "-x A=1",
         "mp_parameters": {"partitions": 2, "microbatches": 4, "fp16": True},  # as written
+        # SageMaker's SDK sends the smddp flag with any smdistributed block
+        "sagemaker_distributed_dataparallel_enabled": False,
         "sagemaker_instance_type": "ml.p4d.24xlarge"}
 
 
@@ -101,7 +103,7 @@ def test_no_distribution_adds_nothing():
          {"enabled": True, "processes_per_host": 3}), "processes_per_host"),
     ({"mpi": {"enabled": True, "processes_per_host": 0}}, "processes_per_host"),
     ({"mpi": {"enabled": True, "custom_mpi_option": "-x A"}}, "custom_mpi_option"),
-    ({"smdistributed": {"dataparallel": {"enabled": True}}}, "dataparallel"),
+    ({"smdistributed": {"dataparallel": {"enabled": True, "enable": True}}}, "enable"),
     ({"mpii": {"enabled": True}}, "mpii"),
 ])
 def test_bad_distribution_names_the_key(dist, key):

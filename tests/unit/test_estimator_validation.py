@@ -282,6 +282,7 @@ def test_hyperparameters_encoding_with_mp_parameters(workdir, recorder):
                       "sagemaker_mpi_enabled": "true",
                       "sagemaker_mpi_num_of_processes_per_host": "2",
                       "sagemaker_mpi_custom_mpi_options": '""',
+                      "sagemaker_distributed_dataparallel_enabled": "false",  # as SageMaker's
                       "sagemaker_instance_type": '"local_process"'}
     est.fit(job_name="job-1", wait=False)
     after = est.hyperparameters()

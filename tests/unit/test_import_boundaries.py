@@ -23,9 +23,13 @@ SDK_MODULES = ["fp16_sdk.pytorch", "fp16_sdk.huggingface", "fp16_sdk.estimator",
                "fp16_sdk.backends.local_process", "fp16_sdk.backends.local_docker",
                "fp16_sdk.backends.sagemaker", "fp16_sdk.backends.ec2", "fp16_sdk.session",
                "fp16_sdk.image", "fp16_sdk.packaging", "fp16_sdk.metrics", "fp16_sdk.config",
-               "fp16_sdk.contract"]
+               "fp16_sdk.contract", "fp16_sdk.tuner", "fp16_sdk.tuner.local",
+               "fp16_sdk.tuner.aws", "optuna"]
 TOOLKIT_MODULES = ["fp16_sdk.toolkit", "fp16_sdk.toolkit.cli", "fp16_sdk.toolkit.launcher"]
-RUNTIME_MODULES = ["fp16_sdk.modelparallel.torch", "smdistributed.modelparallel.torch"]
+RUNTIME_MODULES = ["fp16_sdk.modelparallel.torch", "smdistributed.modelparallel.torch",
+                   "smdistributed.dataparallel.torch.torch_smddp",
+                   "smdistributed.dataparallel.torch.distributed",
+                   "smdistributed.dataparallel.torch.parallel.distributed"]
 
 
 def _loaded_after(code: str) -> list[str]:

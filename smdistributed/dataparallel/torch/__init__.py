@@ -1,0 +1,1 @@
+"""smddp for PyTorch: `torch_smddp` (the backend), `distributed` and `parallel` (older API)."""
