@@ -25,9 +25,10 @@ element, no fp32 copy of the logits), as smp.nn's LM head does; --smp-loss fp32 
 arm the plain arms' loss instead. --sdpa cudnn makes every arm prefer cuDNN's attention.
 
 Reported per arm: tokens/s, MFU (FLOPs/token = 6N + 12 L h s, N = parameters without the
-token and position embeddings; 989e12 FLOP/s denominator), peak memory, optimizer-step time
+token and position embeddings; the device's datasheet peak as denominator: 989e12 FLOP/s for
+an H100 or H200), peak memory, optimizer-step time
 (CUDA events from the end of backward to the end of step, clip included) against its floor
-28 N_total / 4.3e12 s, the part of it up to the end of clipping (the norm, the overflow check
+28 N_total / B s (B: the device's copy bandwidth, measured at start-up), the part of it up to the end of clipping (the norm, the overflow check
 and the host sync that reads them), and the final loss.
 
     python benchmarks/fp16_gpu.py --preset 350m --preset 1.3b --out benchmarks/results/fp16_gpu.json
@@ -54,8 +55,12 @@ PRESETS = {
     "1.3b": dict(layers=24, hidden=2048, heads=16, seq=2048, batch=8, vocab=50304),
     "tiny": dict(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=512),  # CPU smoke test
 }
-PEAK_FLOPS = 989e12      # H200 dense fp16/bf16 datasheet
-HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 machine
+# Dense fp16/bf16 peak by the vendors' datasheets, by device name (SXM parts); the copy
+# bandwidth is measured on the device at start-up (`_measure_copy_bandwidth`), so the
+# optimizer's floor is the device's own (an H100's is ~3.0e12 B/s, an H200's ~4.3e12).
+PEAK_FLOPS_BY_NAME = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12}
+PEAK_FLOPS = 989e12  # set from the device in main(); None for a device not in the table
+HBM_BYTES_PER_S = 4.3e12  # set in main() from a measured device-to-device copy
 LR, MAX_NORM = 3e-4, 1.0
 DEVICE = torch.device("cuda")
 COMPILE = False  # --compile: torch.compile every arm's model
@@ -406,8 +411,9 @@ def summarise(name, cfg, result, sizes, extra, steps) -> dict:
     opt_med = sorted(opt_ms)[len(opt_ms) // 2]
     return {
         "arm": name, "tokens_per_s": tok_s, "step_ms": wall / steps * 1e3,
-        "mfu": tok_s * flops_tok / PEAK_FLOPS,
-        "mfu_with_lm_head": tok_s * (flops_tok + 6 * cfg["vocab"] * cfg["hidden"]) / PEAK_FLOPS,
+        "mfu": tok_s * flops_tok / PEAK_FLOPS if PEAK_FLOPS else None,
+        "mfu_with_lm_head": (tok_s * (flops_tok + 6 * cfg["vocab"] * cfg["hidden"]) / PEAK_FLOPS
+                             if PEAK_FLOPS else None),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None,
         "opt_step_ms_median": opt_med, "opt_step_floor_ms": floor_ms,
         "opt_step_over_floor": opt_med / floor_ms,
@@ -505,6 +511,13 @@ def main(argv=None) -> int:
         raise SystemExit("fp16_gpu.py needs a CUDA GPU (run it on the accelerator machine), "
                          "or --cpu for a smoke test")
     torch.backends.cuda.matmul.allow_tf32 = False  # "fp32 eager" means real fp32 matmuls
+    global PEAK_FLOPS, HBM_BYTES_PER_S
+    if DEVICE.type == "cuda":
+        name = torch.cuda.get_device_name()
+        PEAK_FLOPS = next((v for k, v in PEAK_FLOPS_BY_NAME.items() if k in name), None)
+        HBM_BYTES_PER_S = _measure_copy_bandwidth()
+        print(f"{name}: copy {HBM_BYTES_PER_S / 1e12:.2f} TB/s (read + write), peak "
+              f"{PEAK_FLOPS / 1e12 if PEAK_FLOPS else float('nan'):.0f} TFLOP/s", flush=True)
     results = []
     meta = _meta()
     command = _command(argv)
@@ -545,6 +558,21 @@ def _one_preset(command: str, name: str) -> str:
         out.append(words[i])
         i += 1
     return " ".join(out[:2] + ["--preset", name] + out[2:])
+
+
+def _measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes read plus written per second by a device-to-device copy of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * reps / (start.elapsed_time(end) / 1e3)
 
 
 def _write(path, meta, results) -> None:
