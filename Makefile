@@ -33,7 +33,8 @@ test-fast: install
 image: install
 	bash container/build_image.sh cpu
 
-# Needs a registry for the CUDA PyTorch base image: make image-gpu BASE_IMAGE=<cuda pytorch image>
+# Base: BASE_IMAGE, else fp16-sdk-base:cuda-host if built (container/build_gpu_base_image.sh:
+# this machine's own CUDA PyTorch, no registry), else an official CUDA PyTorch image (pulled)
 image-gpu: install
 	BASE_IMAGE="$(BASE_IMAGE)" bash container/build_image.sh gpu
 

@@ -39,7 +39,9 @@ def fp16_section() -> list[str]:
              "does real matmul work (nanoGPT's estimate_mfu convention; the issue's anchors, e.g. "
              "52.5k tokens/s = 48% at 1.3B, use it); **MFU excl. emb.** leaves out both "
              f"embedding tables ({m.get('flops_per_token')}). Optimizer step: "
-             f"{m.get('opt_step')}; floor = 28 B/param / 4.3 TB/s.",
+             f"{m.get('opt_step')}; floor = 28 B/param / "
+             f"{m.get('hbm_bytes_per_s', 4.3e12) / 1e12:.1f} TB/s (the device's copy "
+             "bandwidth).",
              "", "All runs below: `bash benchmarks/gpu_tests.sh` on the accelerator machine, "
              "one process per run; each table names its own command.", ""]
     for r in d["results"]:
@@ -271,6 +273,56 @@ def import_section() -> list[str]:
     return lines
 
 
+def gpu_docker_section() -> list[str]:
+    d = _load("gpu_docker")
+    if not d:
+        return ["No local_gpu results yet."]
+    h = d["hyperparameters"]
+    aws = _load("gpu_docker_aws") or {}
+    lines = [f"{d['device']} ({d.get('gpu_memory_gib')} GiB), torch {d['torch']} (CUDA "
+             f"{d.get('cuda')}), {d.get('cpu_count')} CPUs. Command: `bash "
+             "benchmarks/gpu_docker.sh` (engine from Debian's binaries, the GPU image from the "
+             "machine's own CUDA PyTorch, then `benchmarks/gpu_docker.py --preset "
+             f"{d['preset']} --steps {d['steps']} --kill-test`). GPUs reached through: "
+             f"{d.get('gpu_access')}; job network: {d.get('network')}.", "",
+             f"The seed's FP16 job (examples/gpt_fp16/train_gpt.py: {h['num_layers']} layers, "
+             f"hidden {h['hidden']}, {h['heads']} heads, seq {h['seq_len']}, batch "
+             f"{h['batch_size']}, vocab {h['vocab']}, lr {h['lr']}, dynamic loss scale from "
+             f"{h['init_scale']:.0f}, clip 1.0), same seed in every run; tokens/s over steps "
+             f"{d['warmup'] + 1}-{d['steps']}; first step = launch to the end of step 1.", "",
+             "| launched by | first step s | wall s | tokens/s | loss: first -> last | "
+             "skipped steps |", "|---|---|---|---|---|---|"]
+    for mode, r in d["runs"].items():
+        lines.append(f"| {mode} | {d['first_step_s'][mode]:.1f} | {d['wall_s'][mode]:.1f} | "
+                     f"{d['tokens_per_s'][mode]:,.0f} | {r['loss'][0]:.4f} -> "
+                     f"{r['loss'][-1]:.4f} | {sum(r['skipped'])} |")
+    lines += ["", f"- local_gpu / local_process tokens/s: {d['ratio']:.4f}",
+              f"- largest loss difference over {d['steps']} steps, local_gpu vs local_process: "
+              f"{d['loss_max_abs_diff']:.2e} (torchrun vs local_process, the GPU's own "
+              f"run-to-run noise: {_fmt(d.get('loss_max_abs_diff_torchrun_vs_local_process'), '.2e')}"
+              f"); loss scales equal: {_fmt(d['scales_equal'])}, skipped steps equal: "
+              f"{_fmt(d['skipped_equal'])}"]
+    for where, r in d.get("import_s", {}).items():
+        lines.append(f"- import {'on the host' if where == 'host' else 'in the image'}: torch {r['torch_s']:.2f} s, torch + smp "
+                     f"{r['smp_s']:.2f} s ({r['ratio']:.2f}x)")
+    k = d.get("kill")
+    if k:
+        lines.append(f"- SIGKILL of the SDK during a local_gpu job ({k['gpu_bytes_in_use_at_kill'] / 2**30:.1f} "
+                     f"GiB in use on the GPU): containers gone after {_fmt(k['containers_gone_s'], '.2f')} s, "
+                     f"the GPU's memory back after {_fmt(k['gpu_memory_back_s'], '.2f')} s")
+    if aws:
+        j1, j2 = aws["job1"], aws["job2"]
+        lines.append(f"- AWS's train_gpt_simple.py (unmodified, transformers 4.46.3 installed by "
+                     f"the job's requirements.txt from carried wheels) through local_gpu: "
+                     f"{j1['status']}, loss {j1['first_loss'][1]:.3f} -> "
+                     f"{j1['last_loss'][1]:.3f} over {aws['steps']} steps with checkpoints "
+                     f"every {aws['ckpt']}; resumed job {j2['status']} from step "
+                     f"{j2['first_loss'][0]} ({j2['first_loss'][1]:.3f}) to "
+                     f"{j2['last_loss'][0]} ({j2['last_loss'][1]:.3f}); model.tar.gz holds "
+                     f"{', '.join(m for m in j1['model_tar_members'] if not m.startswith('('))}")
+    return lines
+
+
 def memory_section() -> list[str]:
     d = _load("memory")
     if not d:
@@ -353,7 +405,7 @@ def render() -> str:
              "Generated from `benchmarks/results/*.json` by `python3 tools/gen_benchmarks_doc.py`;"
              " every figure was measured by the benchmark named with it. Benchmarks are not "
              "tests: they print a table and write JSON.", "",
-             "## FP16 training on one H200 (`benchmarks/fp16_gpu.py`)", "", *fp16_section(), "",
+             "## FP16 training on one GPU (`benchmarks/fp16_gpu.py`)", "", *fp16_section(), "",
              "## Kernel-level figures (`benchmarks/fp16_profile.py`)", "", *profile_section(), "",
              *step_profile_section(),
              "## Activation checkpointing and offloading on one H200 (`benchmarks/memory.py`)",
@@ -365,6 +417,7 @@ def render() -> str:
              "## Pipeline schedules (`benchmarks/pipeline_schedule.py`)", "",
              *pipeline_section(), "", "## fit() overhead (`benchmarks/fit_overhead.py`)", "",
              *fit_section(), "",
+             "## local_gpu on one GPU (`gpu_docker.json`)", "", *gpu_docker_section(), "",
              "## Import time of the smp runtime (`benchmarks/import_time.py`)", "",
              *import_section(), ""]
     extra = ROOT / "benchmarks" / "NOTES.md"
