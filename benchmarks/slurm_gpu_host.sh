@@ -2,8 +2,8 @@
 # A one-node Slurm GPU cluster on this host, the seed's FP16 job through it, then nothing left
 # (issue 40 item 6). For a fresh root machine with NVIDIA GPUs, no Slurm, no munge and no
 # package index (the GPU machine: Ubuntu 24.04, cgroup v2, no systemd):
-#   1. unpack $SLURM_BUNDLE (container/slurm_bundle.sh: Debian 12's slurm-wlm 22.05 + munge,
-#      relocatable) into $SLURM_PREFIX;
+#   1. unpack $FP16_SLURM_BUNDLE (container/slurm_bundle.sh: Debian 12's slurm-wlm 22.05 +
+#      munge, relocatable) into $FP16_SLURM_PREFIX;
 #   2. make this host's name resolve to an address one of its interfaces holds (the batch
 #      script and NCCL's interface lookup need that; a VM without network gets 127.0.0.1, lo),
 #      in a line put first in /etc/hosts and taken out at the end;
@@ -23,16 +23,21 @@
 #   6. stop every daemon it started (and any slurmstepd of the prefix), restore /etc/hosts,
 #      remove /run/slurm when it made it; `left_running` in the log says what remained (0).
 # Usage (repository root, as root): bash benchmarks/slurm_gpu_host.sh   (results under $OUT)
-#   env: SLURM_BUNDLE (.slurmgpu/slurm.tar.xz), SLURM_PREFIX (/opt/fp16-slurm), PRESET (mid;
-#        tiny for a CPU rehearsal), STEPS (20), GPUS_PER_NODE (1), SLURM_GPU_FILES (default:
-#        the /dev/nvidiaN files), SLURM_TASK_PLUGIN (auto | task/cgroup | task/affinity),
-#        JOB_LIMIT (seconds for both fit() runs, 200), WHEELS (wheelhouse/gpu/deps), OUT
+#   env: FP16_SLURM_BUNDLE (.slurmgpu/slurm.tar.xz), FP16_SLURM_PREFIX (/opt/fp16-slurm),
+#        PRESET (mid; tiny for a CPU rehearsal), STEPS (20), GPUS_PER_NODE (1),
+#        FP16_SLURM_GPU_FILES + FP16_SLURM_GPU_COUNT (default: the /dev/nvidiaN files; stand-in
+#        devices for a rehearsal), FP16_SLURM_TASK_PLUGIN (auto: task/cgroup where cgroup2, with
+#        the fallback; try-cgroup: the same on any host; task/cgroup: no fallback;
+#        task/affinity), JOB_LIMIT (seconds for both fit() runs, at most 170), TOTAL_LIMIT
+#        (the whole script, 230: the runs get what is left), WHEELS (wheelhouse/gpu/deps),
+#        OUT (benchmarks/results)
+# Measured: the CPU rehearsal (tiny preset, a container without network) takes ~20 s.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
-BUNDLE=${SLURM_BUNDLE:-.slurmgpu/slurm.tar.xz}
-P=${SLURM_PREFIX:-/opt/fp16-slurm}
+BUNDLE=${FP16_SLURM_BUNDLE:-.slurmgpu/slurm.tar.xz}
+P=${FP16_SLURM_PREFIX:-/opt/fp16-slurm}
 GPUS=${GPUS_PER_NODE:-1}
-TASK=${SLURM_TASK_PLUGIN:-auto}
+TASK=${FP16_SLURM_TASK_PLUGIN:-auto}
 mkdir -p "$OUT"
 LOG="$OUT/slurm_gpu.log"
 : > "$LOG"
@@ -45,7 +50,7 @@ WHEELS=${WHEELS:-wheelhouse/gpu/deps} source benchmarks/device_env.sh
 export SLURM_CONF="$P/etc/slurm.conf"
 export PATH="$P/bin:$P/toolkit:$PATH"
 host="$(hostname -s)"
-made_run_slurm=0 added_alias=0
+made_run_slurm=0 added_alias=0 made_cgroups=()
 [[ -e /run/slurm ]] || made_run_slurm=1
 
 # ---- daemons ---------------------------------------------------------------------------------
@@ -87,6 +92,10 @@ teardown() {
     [[ -f "$P/hosts.orig" ]] && cat "$P/hosts.orig" > /etc/hosts && rm -f "$P/hosts.orig"
     ((made_run_slurm)) && rm -rf /run/slurm
     ((added_alias)) && alias_addr del
+    local d
+    for d in "${made_cgroups[@]}"; do  # cgroups Slurm made here, emptied by the stops above
+        [[ -n "$d" && -d "$d" ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null
+    done
     local left
     left="$(prefix_pids | wc -l)"
     say "left_running $left"
@@ -166,12 +175,12 @@ fi
 say "interfaces: $(echo $held); $(hostname) -> $(getent hosts "$(hostname)" | awk '{print $1; exit}')"
 
 # ---- 3. configuration ------------------------------------------------------------------------
-if [[ -n "${SLURM_GPU_FILES:-}" ]]; then
-    gpu_files="$SLURM_GPU_FILES"
-    n_gpus="${SLURM_GPU_COUNT:-1}"
+if [[ -n "${FP16_SLURM_GPU_FILES:-}" ]]; then
+    gpu_files="$FP16_SLURM_GPU_FILES"
+    n_gpus="${FP16_SLURM_GPU_COUNT:-1}"
 else
     n_gpus="$(ls /dev/nvidia[0-9]* 2>/dev/null | wc -l)"
-    ((n_gpus > 0)) || die "no /dev/nvidiaN here (set SLURM_GPU_FILES for stand-ins)"
+    ((n_gpus > 0)) || die "no /dev/nvidiaN here (set FP16_SLURM_GPU_FILES for stand-ins)"
     gpu_files="/dev/nvidia0"
     ((n_gpus > 1)) && gpu_files="/dev/nvidia[0-$((n_gpus - 1))]"
 fi
@@ -200,26 +209,39 @@ write_conf() {  # task plugin
     fi
 }
 
-start_cluster() {  # task plugin -> 0 when the node is idle
+start_cluster() {  # task plugin, seconds -> 0 when the node is idle within them
     write_conf "$1"
     rm -rf "$P/var/slurmctld/"* "$P/var/slurmd/"*
     daemon slurmctld "$P/sbin/slurmctld" -D -i -f "$SLURM_CONF"
     daemon slurmd "$P/sbin/slurmd" -D -f "$SLURM_CONF" -d "$P/sbin/slurmstepd"
     local out=""
-    for _ in $(seq 150); do
-        out="$(sinfo -h -N -o '%N %t %G' 2>/dev/null)"
+    local deadline=$((SECONDS + $2))
+    while ((SECONDS < deadline)); do
+        out="$(sinfo -h -N -o '%N %t %G' 2>/dev/null | sort -u)"
         [[ "$out" == "$host idle "* ]] && { say "sinfo: $out ($1)"; return 0; }
+        kill -0 "$(cat "$P/run/slurmd.pid")" 2>/dev/null &&
+            kill -0 "$(cat "$P/run/slurmctld.pid")" 2>/dev/null || { out="a daemon exited"; break; }
         sleep 0.2
     done
-    say "the node was not idle within 30 s with $1; sinfo: ${out:-nothing}"
+    say "the node was not idle within $2 s with $1: ${out:-sinfo said nothing}"
     tail -n 15 "$P/log/slurmctld.log" "$P/log/slurmd.log" | tee -a "$LOG"
     return 1
 }
 
-smoke() {  # one srun step with the job's GPU request: what a task sees
-    timeout 40 srun -N1 -n1 --exclusive --gpus-per-node="$GPUS" -t 1 python3 -c \
-        'import os; print("step CUDA_VISIBLE_DEVICES=%s CPUs=%d of %d SLURM_CPUS_ON_NODE=%s" % (os.environ.get("CUDA_VISIBLE_DEVICES"), len(os.sched_getaffinity(0)), os.cpu_count(), os.environ.get("SLURM_CPUS_ON_NODE")))' \
-        >>"$LOG" 2>&1
+smoke() {  # one srun step with the job's GPU request: what a task sees; CUDA must work there
+    timeout 45 srun -N1 -n1 --exclusive --gpus-per-node="$GPUS" -t 2 python3 -c '
+import os, sys
+cuda = "no CUDA check (stand-in GPUs)"
+if os.path.exists("/dev/nvidia0"):
+    import torch
+    n = torch.cuda.device_count()
+    cuda = "torch sees %d GPU(s)" % n
+    if n < 1:
+        sys.exit("step: " + cuda)
+    torch.ones(1, device="cuda").add_(1).item()
+print("step CUDA_VISIBLE_DEVICES=%s CPUs=%d of %d SLURM_CPUS_ON_NODE=%s, %s" % (
+    os.environ.get("CUDA_VISIBLE_DEVICES"), len(os.sched_getaffinity(0)), os.cpu_count(),
+    os.environ.get("SLURM_CPUS_ON_NODE"), cuda))' >>"$LOG" 2>&1
 }
 
 say "munge key and munged"
@@ -236,15 +258,18 @@ for _ in $(seq 50); do [[ -S "$P/run/munge/munge.socket.2" ]] && break; sleep 0.
 cgroup_fs="$(stat -fc %T /sys/fs/cgroup 2>/dev/null)"
 pid1="$(cat /proc/1/comm 2>/dev/null)"
 task_reason=""
-if [[ "$TASK" == auto && "$cgroup_fs" == cgroup2fs ]] || [[ "$TASK" == task/cgroup ]]; then
+cgroup_slices=(/sys/fs/cgroup/system.slice /sys/fs/cgroup/slurm)  # what cgroup/v2 may make
+for d in "${cgroup_slices[@]}"; do [[ -e "$d" ]] && made_cgroups+=("")  || made_cgroups+=("$d"); done
+if [[ "$TASK" == auto && "$cgroup_fs" == cgroup2fs ]] || [[ "$TASK" == task/cgroup ||
+                                                            "$TASK" == try-cgroup ]]; then
     say "trying task/cgroup (cgroup/v2 without systemd: IgnoreSystemd=yes; PID 1 is $pid1)"
-    if start_cluster task/cgroup && smoke; then
+    if start_cluster task/cgroup 20 && smoke; then
         task=task/cgroup
     else
-        task_reason="task/cgroup did not run a step here (see slurm_gpu.log)"
+        task_reason="task/cgroup did not run a step here: $(grep -E 'error|fatal' \
+            "$P/log/slurmd.log" | tail -n 2 | tr '\n' ' ')"
         [[ "$TASK" == task/cgroup ]] && die "$task_reason"
         say "$task_reason: task/affinity"
-        tail -n 8 "$P/log/slurmd.log" | tee -a "$LOG"
         stop_daemons
         daemon munged "$P/sbin/munged" -F --socket="$P/run/munge/munge.socket.2" \
             --key-file="$P/etc/munge/munge.key" --pid-file="$P/run/munge/munged.pidfile" \
@@ -253,12 +278,13 @@ if [[ "$TASK" == auto && "$cgroup_fs" == cgroup2fs ]] || [[ "$TASK" == task/cgro
         task=""
     fi
 else
-    task_reason="/sys/fs/cgroup is ${cgroup_fs:-missing}, not cgroup2 (SLURM_TASK_PLUGIN=$TASK)"
+    task_reason="FP16_SLURM_TASK_PLUGIN=$TASK"
+    [[ "$TASK" == auto ]] && task_reason="/sys/fs/cgroup is ${cgroup_fs:-missing}, not cgroup2"
     task=""
 fi
 if [[ -z "$task" ]]; then
     task=task/affinity
-    start_cluster task/affinity || die "slurmd/slurmctld did not come up"
+    start_cluster task/affinity 30 || die "slurmd/slurmctld did not come up"
     smoke || { tail -n 20 "$P/log/slurmd.log" | tee -a "$LOG"; die "an srun step failed"; }
 fi
 grep '^step ' "$LOG" | tail -1
@@ -267,13 +293,17 @@ grep '^step ' "$LOG" | tail -1
 extra="$(TASK_PLUGIN="$task" TASK_REASON="$task_reason" HOSTS_LINE="$hosts_line" \
     LO_ALIAS="$( ((added_alias)) && echo 127.0.13.1)" \
     CGROUP_FS="$cgroup_fs" PID1="$pid1" GRES="$(cat "$P/etc/gres.conf")" \
-    SINFO="$(sinfo -h -N -o '%N %t %c CPUs %m MB %G')" VERSION="$(grep -E '^slurmd ' "$P/MANIFEST")" \
+    SINFO="$(sinfo -h -N -o '%N %t %c CPUs %m MB %G' | sort -u)" VERSION="$(grep -E '^slurmd ' "$P/MANIFEST")" \
     STEP="$(grep '^step ' "$LOG" | tail -1)" python3 -c '
 import json, os
 print(json.dumps({"slurm": {k.lower(): os.environ[k] for k in ("TASK_PLUGIN", "TASK_REASON",
     "HOSTS_LINE", "LO_ALIAS", "CGROUP_FS", "PID1", "GRES", "SINFO", "VERSION", "STEP")}}))')"
-say "fit() through Slurm ($task), then local_process"
-timeout "${JOB_LIMIT:-200}" python3 benchmarks/slurm_gpu.py --preset "${PRESET:-mid}" \
+# Both runs get what is left of TOTAL_LIMIT (230 s) less 15 s for the teardown, at most
+# JOB_LIMIT: the whole script ends, daemons stopped, within TOTAL_LIMIT.
+job_limit=$((${TOTAL_LIMIT:-230} - (SECONDS - start) - 15))
+((job_limit > ${JOB_LIMIT:-170})) && job_limit=${JOB_LIMIT:-170}
+say "fit() through Slurm ($task), then local_process (limit $job_limit s)"
+timeout "$job_limit" python3 benchmarks/slurm_gpu.py --preset "${PRESET:-mid}" \
     --steps "${STEPS:-20}" --gpus-per-node "$GPUS" --work "$P/work" \
     --out "$OUT/slurm_gpu.json" --extra "$extra" 2>&1 | grep -v Warning | tee -a "$LOG"
 status=${PIPESTATUS[0]}

@@ -11,7 +11,7 @@
 #   bin/    sbatch srun squeue scontrol scancel sinfo sacct salloc sattach sstat munge unmunge
 #   sbin/   slurmctld slurmd slurmstepd munged mungekey
 #   lib/    the libraries; lib/slurm/ the plugins and libslurmfull.so (PluginDir)
-#   MANIFEST  the packages and versions
+#   MANIFEST  the packages and versions, one 'package version' a line
 # Every ELF file's needs are checked to resolve inside the bundle or to glibc before packing.
 #
 # Usage: container/slurm_bundle.sh [OUT]     (default OUT: .slurmgpu/slurm.tar.xz)
@@ -28,7 +28,7 @@ packages=(slurmctld slurmd slurm-client slurm-wlm-basic-plugins munge libmunge2
 apt-get download "${packages[@]}" >/dev/null 2>&1
 for deb in *.deb; do
     dpkg -x "$deb" x
-    dpkg-deb -f "$deb" Package Version | paste -sd' ' >> MANIFEST
+    dpkg-deb --showformat='${Package} ${Version}\n' -W "$deb" >> MANIFEST
 done
 b="$work/b"
 mkdir -p "$b/bin" "$b/sbin" "$b/lib/slurm"
