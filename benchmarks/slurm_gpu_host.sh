@@ -162,7 +162,7 @@ if ! awk '{print $2}' <<< "$held" | grep -qvx '127.0.0.1'; then
     added_alias=1
     say "only 127.0.0.1 here: 127.0.13.1 added on lo:fp16 (getaddrinfo's AI_ADDRCONFIG)"
 fi
-resolved="$(getent hosts "$(hostname)" | awk '{print $1; exit}')"
+resolved="$(timeout 10 getent hosts "$(hostname)" | awk '{print $1; exit}')"
 hosts_line=""
 if [[ -z "$resolved" ]] || ! grep -qw -- "$resolved" <<< "$held"; then
     addr="$(awk '$1 != "lo" {print $2; exit}' <<< "$held")"
