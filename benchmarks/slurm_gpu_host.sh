@@ -103,6 +103,10 @@ teardown() {
 trap teardown EXIT
 
 # ---- 1. the bundle ---------------------------------------------------------------------------
+if [[ -d "$P" ]]; then  # an earlier run that was cut off: its daemons and /etc/hosts first
+    [[ -n "$(prefix_pids)" ]] && { say "stopping an earlier run's daemons"; stop_daemons; }
+    [[ -f "$P/hosts.orig" ]] && cat "$P/hosts.orig" > /etc/hosts
+fi
 say "unpacking $BUNDLE into $P"
 rm -rf "$P"
 mkdir -p "$P"
