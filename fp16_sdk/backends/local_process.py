@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _LIVE: "weakref.WeakSet[LocalProcessJob]" = weakref.WeakSet()
+# A child forked without exec owns none of its parent's jobs: its normal exit must not run the
+# parent's stop (it would hang on threads that did not survive the fork, or stop the job).
+os.register_at_fork(after_in_child=_LIVE.clear)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,5 +396,7 @@ def written_under(root: Path, *, since: float) -> list[Path]:
 
 @atexit.register
 def _stop_live_jobs() -> None:
+    """Jobs must not outlive the Python that started them (wait=False jobs); a forked child's
+    `_LIVE` is empty (see `os.register_at_fork` above)."""
     for job in list(_LIVE):
         job.stop()
