@@ -296,8 +296,10 @@ class LocalProcessJob(JobHandle):
         failures = {t.host: lc.host_failure(t) for t in self._trees}
         origin = origin_failure(failures.values()) if failures[host] is not None else None
         if origin is not None:
-            return TrainingJobFailedError(self.name, host=origin.host,
-                                          exit_code=origin.exit_code, reason=origin.reason)
+            code = origin.exit_code  # the file's header; else what this backend saw
+            return TrainingJobFailedError(
+                self.name, host=origin.host, reason=origin.reason,
+                exit_code=code if code is not None else self._exit_codes.get(origin.host))
         tail = [ln for ln in self._log.lines() if ln.startswith(f"{host} | ")][-20:]
         code = self._exit_codes.get(host)
         return TrainingJobFailedError(
