@@ -183,10 +183,18 @@ class _Tree:
                 pass
 
     def workers_done(self) -> bool:
-        """Processes below the command were seen and none is alive: the command is alone."""
-        self.refresh()
-        others = self.known - {self.proc.pid}
-        return bool(others) and not any(_pid_alive(pid) for pid in others)
+        """No process below the command is alive now: the command (a launcher) is alone.
+
+        Decided from the tree as it is now, never from workers seen earlier: torchrun reaps a
+        worker within 0.1 s of its exit, so a worker that lived a few milliseconds is never
+        seen by a look every 0.5 s (issue 42, T4-14). A launcher that has not started its
+        workers yet is alone too; the settle that follows ends as soon as one starts."""
+        below = set(descendants(self.proc.pid))
+        if _SUBREAPER.is_set():  # orphans of the tree were reparented to us
+            below.update(descendants(os.getpid()))
+        self.known.update(below)
+        below.discard(self.proc.pid)
+        return not any(_pid_alive(pid) for pid in below)
 
     def alive(self) -> bool:
         if self.proc.poll() is None:
@@ -245,10 +253,12 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
 
     A launcher (torchrun) outlives its workers for a moment: it waits for the other hosts'
     launchers (its exit barrier) and shuts its rendezvous down. With `settle_s` > 0, a stop
-    that arrives once every process the command started has exited gives the command up to
-    `settle_s` to exit by itself before it gets SIGTERM: its own exit status then says whether
-    its workers succeeded (a job whose training finished is a success, even when the
-    platform stopped the container a moment later, as compose does once another host exited).
+    that finds no process alive below the command gives the command up to `settle_s` to exit
+    by itself before it gets SIGTERM: its own exit status then says whether its workers
+    succeeded (a job whose training finished is a success, even when the platform stopped the
+    container a moment later, as compose does once another host exited). A stop that comes
+    while the launcher is still starting its workers is forwarded as soon as one starts, or
+    after `settle_s`.
 
     Args:
         argv: the command (never a shell string).
