@@ -136,6 +136,7 @@ class LocalProcessJob(JobHandle):
         self._log = lc.JobLog()
         self._status = JobStatus.IN_PROGRESS
         self._stop_requested = threading.Event()
+        self._max_run_exceeded = False  # Stopped / MaxRuntimeExceeded, as SageMaker and Docker
         self._done = threading.Event()
         self._error: TrainingJobFailedError | None = None
         self._exit_codes: dict[str, int | None] = {}
@@ -215,8 +216,10 @@ class LocalProcessJob(JobHandle):
                 break
             if all(c == 0 for c in codes.values()):
                 break
-            if time.monotonic() > deadline:
-                reason = f"MaxRuntimeExceeded: the job ran longer than max_run={self.spec.max_run}s"
+            if time.monotonic() > deadline:  # SageMaker stops the job: Stopped, not Failed
+                log.warning("%s: max_run (%s s) exceeded: stopping it (MaxRuntimeExceeded)",
+                            self.name, self.spec.max_run)
+                self._max_run_exceeded = True
                 break
             time.sleep(_POLL_S)
         self._terminate_all()
@@ -255,7 +258,7 @@ class LocalProcessJob(JobHandle):
             self._artifacts = lc.collect_artifacts(self.spec, self._trees)
         except OSError as exc:
             log.warning("job %s: collecting artifacts failed: %s", self.name, exc)
-        if self._stop_requested.is_set():
+        if self._stop_requested.is_set() or self._max_run_exceeded:
             self._status = JobStatus.STOPPED
         elif failed_host is not None or reason is not None:
             self._status = JobStatus.FAILED
@@ -368,7 +371,9 @@ class LocalProcessJob(JobHandle):
             failure_reason=self._error.reason if self._error is not None else None,
             final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
                            if done else None),
-            extra={"HostExitCodes": self.exit_codes})
+            extra={"HostExitCodes": self.exit_codes,
+                   "SecondaryStatus": "MaxRuntimeExceeded" if self._max_run_exceeded and done
+                   else self._status.value})
 
 
 SAGEMAKER_ROOT = Path("/opt/ml")
