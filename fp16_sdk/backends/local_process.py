@@ -382,22 +382,29 @@ _ESCAPE_SCAN = 1000  # entries looked at, at most: a warning needs a few example
 
 def written_under(root: Path, *, since: float) -> list[Path]:
     """Files under `root` modified at or after `since` (epoch seconds), without following
-    links, at most `_ESCAPE_SCAN` entries visited. A local_process host's processes run on this
-    machine, so a script that writes /opt/ml/... literally (AWS's GPT scripts default
-    --checkpoint-dir to /opt/ml/checkpoints) writes here, not into its host's tree."""
-    found, visited = [], 0
-    for folder, dirs, files in os.walk(root, followlinks=False):
-        for name in files:
-            visited += 1
-            path = Path(folder) / name
-            try:
-                if path.lstat().st_mtime >= since:
-                    found.append(path)
-            except OSError:
-                continue
-        visited += len(dirs)
-        if visited >= _ESCAPE_SCAN:
-            break
+    links, at most `_ESCAPE_SCAN` directory entries read, however they are spread (one folder
+    of a million files included: entries are read one by one, never a folder's whole listing).
+    A local_process host's processes run on this machine, so a script that writes /opt/ml/...
+    literally (AWS's GPT scripts default --checkpoint-dir to /opt/ml/checkpoints) writes here,
+    not into its host's tree."""
+    found, visited, todo = [], 0, [root]
+    while todo and visited < _ESCAPE_SCAN:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                visited += 1
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+                    elif entry.stat(follow_symlinks=False).st_mtime >= since:
+                        found.append(Path(entry.path))
+                except OSError:
+                    pass  # removed meanwhile
+                if visited >= _ESCAPE_SCAN:
+                    break
     return sorted(found)
 
 
