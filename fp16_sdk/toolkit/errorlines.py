@@ -1,0 +1,44 @@
+"""Recognising a Python error in the training command's stderr (standard library only).
+
+Used while the stderr streams (process.py stamps when the traceback of the command's error
+began) and afterwards (report.py names that error in the failure file): both must mean the
+same error, the last exception line printed, torchrun's own exceptions left out.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["TRACEBACK", "exception_line", "launcher_error", "diagnostic"]
+
+TRACEBACK = "Traceback (most recent call last)"
+# "ValueError: ..." as Python prints it last in a traceback.
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(?:Error|Exception|Interrupt)(?::|$)")
+# torchrun's ChildFailedError only says that a worker failed, and its SignalException that it
+# was stopped: the worker's own exception is the one to report.
+_LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
+# torch prefixes a worker's uncaught traceback with "[rankN]: " once its process group exists
+# (every smp job), and torchrun's --tee with "[defaultN]:"; the exception line follows it.
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+
+
+# What the runtime itself prints while a process winds down after an error: c10's log lines
+# ("[W1206 10:00:00 ProcessGroupNCCL.cpp:...]", also behind a rank prefix) and Python warnings.
+_DIAGNOSTIC = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)?(?:\[[WIEF]\d{4}|\S*Warning\b|"
+                         r"\s*warnings\.warn)")
+
+
+def diagnostic(line: str) -> bool:
+    """A runtime log or warning line, not output of the script's own (see `_DIAGNOSTIC`)."""
+    return _DIAGNOSTIC.match(line.strip()) is not None
+
+
+def exception_line(line: str) -> str | None:
+    """`line` without its rank prefix when it is an exception line, else None."""
+    text = _RANK_PREFIX.sub("", line.strip()).strip()
+    return text if _EXCEPTION_LINE.match(text) else None
+
+
+def launcher_error(text: str) -> bool:
+    """An exception line of torchrun's own (it reports a worker's failure or a stop)."""
+    return any(name in text for name in _LAUNCHER_EXCEPTIONS)
