@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 LABEL_JOB = "fp16_sdk.job"  # the same label as local_docker_job.LABEL_JOB (a test checks it)
 LABEL_SDK = "fp16_sdk.sdk"  # the SDK process that owns the job, see `sdk_label`
+_PID_MAX_LIMIT = 4194304  # Linux's largest pid_max (a label beyond it was forged)
 
 
 def engine_url(client: Any) -> str:
@@ -182,6 +183,8 @@ def sdk_gone(owner: str) -> bool:
             or not parts[3].isdigit():
         return False
     pid = int(parts[2])
+    if not 0 < pid <= _PID_MAX_LIMIT:  # no process of this kernel ever had it: not ours
+        return False
     stat = procfs.read_stat(f"{procfs.PROC}/{pid}/stat")
     if stat is not None and stat.start_time is not None:
         return stat.state in ("Z", "X") or str(stat.start_time) != parts[3]

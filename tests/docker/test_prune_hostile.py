@@ -115,6 +115,9 @@ def test_a_hidepid_shaped_proc_decides_from_what_every_user_can_read(tmp_path, m
         assert local_docker_reaper.sdk_gone(owners["hidden-ended"])
         assert not local_docker_reaper.sdk_gone(owners["visible-live"])
         assert local_docker_reaper.sdk_gone(reused)
+        # A forged pid no kernel has (os.kill raised OverflowError and stopped every prune)
+        for pid in ("0", "99999999999999999999"):
+            assert not local_docker_reaper.sdk_gone("/".join(me[:2] + [pid, "5"])), pid
     finally:
         hidden.kill()
         hidden.wait()
