@@ -188,7 +188,11 @@ def sdk_gone(owner: str) -> bool:
     stat = procfs.read_stat(f"{procfs.PROC}/{pid}/stat")
     if stat is not None and stat.start_time is not None:
         return stat.state in ("Z", "X") or str(stat.start_time) != parts[3]
-    return not procfs.pid_exists(pid)
+    if procfs.pid_exists(pid):
+        log.info("SDK process %d exists but /proc does not show it to this user (hidepid?): "
+                 "it may be the job's SDK, its job is left alone", pid)
+        return False
+    return True
 
 
 def prune(client: Any, *, grace: int) -> list[str]:

@@ -72,7 +72,7 @@ def test_dtypes_outside_plain_data_are_refused_by_name(tmp_path, value, why):
 def test_plain_numpy_values_of_every_accepted_kind_round_trip(tmp_path):
     """Each loads as the exact type and value numpy itself would give (the reference)."""
     value = {"i8": np.int64(-3), "u1": np.uint8(200), "f2": np.float16(1.5),
-             "c16": np.complex128(1 - 2j), "b": np.bool_(True), "s": np.array([b"ab", b"c"]),
+             "c16": np.complex128(1 - 2j), "b": np.bool_(True), "s": np.array([b"ab", b"c"]), "by": np.bytes_(b"ab"),
              "u": np.str_("héllo"), "be": np.arange(4, dtype=">i4"),
              "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
              "empty": np.zeros((0, 3), np.float32), "strs": np.array(["a", "bcd"]),
