@@ -23,9 +23,11 @@ _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 
 
 # What the runtime itself prints while a process winds down after an error: c10's log lines
-# ("[W1206 10:00:00 ProcessGroupNCCL.cpp:...]", also behind a rank prefix) and Python warnings.
-_DIAGNOSTIC = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)?(?:\[[WIEF]\d{4}|\S*Warning\b|"
-                         r"\s*warnings\.warn)")
+# ("[W1206 10:00:00 ProcessGroupNCCL.cpp:...]", also behind a rank prefix), torchrun's own
+# ("W1206 10:00:00.123000 140 .../elastic/multiprocessing/api.py:897] Sending process ...")
+# and Python warnings.
+_DIAGNOSTIC = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)?(?:\[?[WIEF]\d{4} \d\d:\d\d|"
+                         r"\S*Warning\b|\S+:\d+: \w*Warning: |\s*warnings\.warn)")
 
 
 def diagnostic(line: str) -> bool:
