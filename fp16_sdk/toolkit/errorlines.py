@@ -2,14 +2,17 @@
 
 Used while the stderr streams (process.py stamps when the traceback of the command's error
 began) and afterwards (report.py names that error in the failure file): both must mean the
-same error, the last exception line printed, torchrun's own exceptions left out.
+same error: the last exception printed of the best `rank` (the script's own error before a
+rank's reaction to a lost peer, both before torchrun's own exceptions).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["TRACEBACK", "exception_line", "launcher_error", "diagnostic"]
+from fp16_sdk import contract
+
+__all__ = ["TRACEBACK", "exception_line", "launcher_error", "diagnostic", "rank"]
 
 TRACEBACK = "Traceback (most recent call last)"
 # "ValueError: ..." as Python prints it last in a traceback.
@@ -44,3 +47,15 @@ def exception_line(line: str) -> str | None:
 def launcher_error(text: str) -> bool:
     """An exception line of torchrun's own (it reports a worker's failure or a stop)."""
     return any(name in text for name in _LAUNCHER_EXCEPTIONS)
+
+
+def rank(text: str | None) -> int:
+    """How well an exception line names the error where it began on this host, best first:
+    0 an error of the script's own, 1 one that only reports a peer's failure (a rank of this
+    host reacting to the lost rank, `contract.PEER_FAILURE`), 2 torchrun's own. A traceback cut
+    before its exception line (None) counts as the script's own."""
+    if text is None:
+        return 0
+    if launcher_error(text):
+        return 2
+    return 1 if contract.PEER_FAILURE.search(text) else 0

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from fp16_sdk.procfs import read_stat
-from fp16_sdk.toolkit.errorlines import TRACEBACK, diagnostic, exception_line, launcher_error
+from fp16_sdk.toolkit.errorlines import TRACEBACK, diagnostic, exception_line, rank
 from fp16_sdk.toolkit.stops import StopSignals
 
 __all__ = ["ProcessResult", "run_process", "descendants", "become_subreaper", "watch_lifeline",
@@ -56,8 +56,9 @@ class ProcessResult:
             running (SIGTERM on a stop, SIGKILL after the grace), None if it sent none.
         ended_at: when the command ended (seconds since the epoch).
         error_at: when the traceback of the command's error reached our stderr: the last
-            traceback whose exception is not torchrun's own (the one the failure file's
-            ErrorMessage names). A traceback the script printed and went on from (a handled
+            one of the best `errorlines.rank` (the script's own error before a rank's
+            reaction to a lost peer, torchrun's own never), the one the failure file's
+            ErrorMessage names. A traceback the script printed and went on from (a handled
             error) is not it once a later one came.
         went_on_after_error: the command wrote more to stderr after that traceback's
             exception line and before the stop (runtime warnings aside): it was not failing
@@ -260,10 +261,11 @@ def _note_error(line: str, tracebacks: list[list], *, stopped: bool) -> None:
 
 def _error(tracebacks: list[list]) -> tuple[float | None, bool]:
     """(when the traceback of the command's error began, whether the command went on after
-    it): the last traceback not ending in torchrun's own exception (the error the failure
-    file names)."""
+    it): the last traceback of the best `errorlines.rank`, the error the failure file names
+    (torchrun's own only when there is nothing else)."""
+    best = min((rank(error) for _, error, _ in tracebacks), default=2)
     ours = [(at, went_on) for at, error, went_on in tracebacks
-            if error is None or not launcher_error(error)]
+            if rank(error) == best and best < 2]
     return ours[-1] if ours else (None, False)
 
 

@@ -3,7 +3,8 @@
 Layout (SageMaker shows the first 1024 characters as FailureReason, so the useful lines come
 first): the contract's header (`ExitCode N`, `FailedAt`, `Signal N NAME toolkit|outside`),
 `Command: ...` (cut when very long), `ErrorMessage: ...` (the last exception line of the
-stderr tail), one explanatory line when a signal ended the command, a blank line, the tail.
+stderr tail of the best `errorlines.rank`: the script's own error before a rank's reaction to
+a lost peer, torchrun's own never), one explanatory line when a signal ended the command, a blank line, the tail.
 
 Who sent the SIGKILL matters: one the toolkit sent itself (after a stop, when the process
 outlived the grace) is said as such; only a SIGKILL from outside gets the out-of-memory hint.
@@ -18,7 +19,7 @@ import time
 from typing import Sequence
 
 from fp16_sdk import contract
-from fp16_sdk.toolkit.errorlines import exception_line, launcher_error
+from fp16_sdk.toolkit.errorlines import exception_line, rank
 from fp16_sdk.toolkit.process import ProcessResult
 
 __all__ = ["failure_text", "result_failure", "setup_failure", "display", "OOM_HINT"]
@@ -61,8 +62,9 @@ def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str]
                                     signal_from_toolkit=signal_from_toolkit,
                                     signal_after_error=signal_after_error)
     lines.append(f"Command: {_shown_command(argv)}")
-    found = (exception_line(ln) for ln in reversed(stderr_tail))
-    error = next((ln for ln in found if ln is not None and not launcher_error(ln)), None)
+    found = [e for e in map(exception_line, stderr_tail) if e is not None]
+    best = min(map(rank, found), default=2)
+    error = next((e for e in reversed(found) if rank(e) == best and best < 2), None)
     if error:
         lines.append(f"ErrorMessage: {error}")
     if note:
