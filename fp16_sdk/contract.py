@@ -223,10 +223,12 @@ FAILURE_SIGNAL = "Signal"
 SIGNAL_FROM_TOOLKIT = "toolkit"
 SIGNAL_FROM_OUTSIDE = "outside"
 SIGNAL_AFTER_ERROR = "after-error"
+# Bounded numbers: the file may be written by the script (a forged or botched header), and
+# int() of more than 4300 digits raises; a line with a longer number is no header line.
 _HEADER_LINE = re.compile(
-    rf"^(?:{FAILURE_EXIT_CODE}\s+(?P<code>-?\d+)"
-    rf"|{FAILURE_AT}\s+(?P<at>\d+(?:\.\d+)?)"
-    rf"|{FAILURE_SIGNAL}\s+(?P<sig>\d+)(?:\s+SIG\w+)?\s+"
+    rf"^(?:{FAILURE_EXIT_CODE}\s+(?P<code>-?\d{{1,10}})"
+    rf"|{FAILURE_AT}\s+(?P<at>\d{{1,12}}(?:\.\d{{1,9}})?)"
+    rf"|{FAILURE_SIGNAL}\s+(?P<sig>\d{{1,3}})(?:\s+SIG\w+)?\s+"
     rf"(?P<by>{SIGNAL_FROM_TOOLKIT}|{SIGNAL_FROM_OUTSIDE})(?P<after>\s+{SIGNAL_AFTER_ERROR})?)"
     r"\s*$")
 

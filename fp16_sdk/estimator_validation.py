@@ -28,7 +28,7 @@ from fp16_sdk.inputs import INPUT_MODES
 
 __all__ = ["validate", "encode_hyperparameters", "check_hyperparameter_limits", "fail",
            "JOB_NAME_PATTERN", "MAX_HYPERPARAMETERS", "MAX_HP_KEY", "MAX_HP_VALUE", "MAX_ENV",
-           "MAX_ENV_KEY", "MAX_ENV_VALUE", "MAX_METRICS", "MAX_TAGS", "MAX_KEEP_ALIVE"]
+           "MAX_ENV_KEY", "MAX_ENV_VALUE", "MAX_METRICS", "MAX_TAGS", "MAX_KEEP_ALIVE", "MAX_RUN"]
 
 JOB_NAME_PATTERN = r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}"
 # Matched with fullmatch: `$` would also accept a trailing newline.
@@ -39,6 +39,7 @@ MAX_HYPERPARAMETERS, MAX_HP_KEY, MAX_HP_VALUE = 100, 256, 2500
 MAX_ENV, MAX_ENV_KEY, MAX_ENV_VALUE = 100, 512, 512
 MAX_METRICS, MAX_TAGS = 40, 50
 MAX_KEEP_ALIVE = 21600  # ResourceConfig.KeepAlivePeriodInSeconds
+MAX_RUN = 28 * 24 * 3600  # StoppingCondition.MaxRuntimeInSeconds: at most 28 days
 
 
 def _strings_in(value: Any):
@@ -167,6 +168,9 @@ def _resources(s: Settings) -> BackendEntry:
 def _limits(s: Settings, entry: BackendEntry) -> None:
     _check_int("volume_size", s.volume_size, minimum=1)
     _check_int("max_run", s.max_run, minimum=1)
+    if s.max_run > MAX_RUN:
+        raise fail("max_run", s.max_run, f"must be at most {MAX_RUN} s (28 days, SageMaker's "
+                   "MaxRuntimeInSeconds limit): save checkpoints and resume in a new job")
     _check_int("max_wait", s.max_wait, minimum=1, optional=True)
     _check_int("keep_alive_period_in_seconds", s.keep_alive_period_in_seconds,
                minimum=0, maximum=MAX_KEEP_ALIVE, optional=True)
@@ -252,7 +256,7 @@ def _mappings(s: Settings) -> None:
 
 
 def _env_value(name: str, value: Any) -> None:
-    """An environment value is a string of at most MAX_ENV_VALUE characters.
+    """An environment value is a string of at most MAX_ENV_VALUE characters, without NUL.
 
     The error names the variable and the value's type or length, never the value: it may be
     a secret, and errors reach tracebacks and CI logs.
@@ -260,6 +264,10 @@ def _env_value(name: str, value: Any) -> None:
     if not isinstance(value, str):
         raise ConfigError(f"environment[{name!r}] is a {type(value).__name__}; values must be "
                           "strings (write str(...))", key=name)
+    if "\0" in value:  # exec refuses it: the job would fail only after its folder exists
+        raise ConfigError(f"environment[{name!r}] holds a NUL character (at index "
+                          f"{value.index(chr(0))} of {len(value)}); no environment variable can "
+                          "hold one: remove it", key=name)
     if len(value) > MAX_ENV_VALUE:
         raise ConfigError(f"environment[{name!r}] is {len(value)} characters long; values may "
                           f"have at most {MAX_ENV_VALUE} (SageMaker's limit): pass large "

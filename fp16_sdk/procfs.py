@@ -7,13 +7,20 @@ The toolkit walks process trees and checks whether a pid still runs; the runtime
     pid (comm) state ppid ...
 
 where comm may hold spaces and parentheses, so the fields after it start after the last ")".
+
+`PROC` is the mount read (tests point it at a copy shaped like a `hidepid` /proc, where other
+users' processes have no entry). A missing entry proves nothing there, so `pid_exists` asks the
+kernel instead (`kill(pid, 0)`), whose answer every user gets.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
-__all__ = ["Stat", "read_stat"]
+__all__ = ["Stat", "read_stat", "pid_exists", "PROC"]
+
+PROC = "/proc"
 
 
 class Stat(NamedTuple):
@@ -22,6 +29,7 @@ class Stat(NamedTuple):
     comm: str   # the process or thread name
     state: str  # the scheduler state letter: R, S, D, Z, X, ...
     ppid: int   # the parent's pid
+    start_time: int | None = None  # clock ticks after boot when it started (field 22)
 
 
 def read_stat(path: str) -> Stat | None:
@@ -34,6 +42,20 @@ def read_stat(path: str) -> Stat | None:
         return None
     head, _, tail = line.rpartition(")")
     fields = tail.split()
-    if len(fields) < 2:
+    if len(fields) < 2 or not fields[1].isdigit():
         return None
-    return Stat(comm=head[head.find("(") + 1:], state=fields[0], ppid=int(fields[1]))
+    start = int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+    return Stat(comm=head[head.find("(") + 1:], state=fields[0], ppid=int(fields[1]),
+                start_time=start)
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether any process (a zombie included) has `pid` in this pid namespace, whoever owns
+    it: `kill(pid, 0)` fails with ESRCH only when none does, with EPERM for another user's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -9,7 +9,8 @@
 # training as NAME=value arguments; manifest paths stay in their channel; tar lists are
 # verbatim). Nothing the container leaves in /opt/ml makes this script (root) read, archive
 # or upload a file outside the job's folders: no link is followed to read the failure file
-# or to archive a folder, and links inside that leave their folder are not archived.
+# or to archive a folder, and links inside that lead out of their folder (followed as the
+# kernel follows them, chains included) are not archived.
 set -u
 
 # @@FP16_SDK_SETTINGS@@
@@ -189,15 +190,18 @@ run_train_direct() {
 }
 
 archive_list() {  # dir list: NUL-separated entries of dir to archive, outside links left out
-    local dir="$1" entry target resolved
+    local dir="$1" entry target resolved real
+    real="$(realpath -- "$dir")"
     : > "$2"
     while IFS= read -r -d '' entry; do
         if [ -L "$dir/$entry" ]; then
             target="$(readlink -- "$dir/$entry")"
-            resolved="$(realpath -m -s -- "$(dirname -- "$dir/$entry")/$target")"
+            # Where a reader lands: every link on the way followed, as the kernel does (a
+            # lexical look is fooled by a chain: x -> sub/up/../../f with sub/up -> ..).
+            resolved="$(realpath -m -- "$dir/$entry")"
             case "$target" in /*) resolved="/" ;; esac  # absolute: the host's, not the job's
             case "$resolved/" in
-                "$dir"/*) ;;
+                "$real"/*) ;;
                 *) say "not archiving ${dir#"$ML_ROOT"/}/$entry: a link to $target, outside" \
                        "${dir#"$ML_ROOT"/}"; continue ;;
             esac

@@ -45,6 +45,9 @@ LABEL_HOST = "fp16_sdk.host"
 _SIGKILL_REASON = ("the container was killed with SIGKILL (exit 137): `docker kill`, or the "
                    "out-of-memory killer")
 _LIVE: "weakref.WeakSet[DockerJob]" = weakref.WeakSet()
+# A child forked without exec owns none of its parent's jobs: its normal exit must not run the
+# parent's stop (it would hang on threads that did not survive the fork, or stop the job).
+os.register_at_fork(after_in_child=_LIVE.clear)
 # SIGTERM -> SIGKILL for containers when the SDK process is ending (SIGTERM, or its death seen
 # by the watchdog), at most: the stop, the artifacts and the removal then fit in 10 s.
 ENDING_GRACE_S = 5
@@ -365,6 +368,7 @@ def _owned_by_other(root: Path, uid: int) -> bool:
 
 @atexit.register
 def _stop_live_jobs() -> None:
-    """Containers must not outlive the Python that started them (wait=False jobs)."""
+    """Containers must not outlive the Python that started them (wait=False jobs); a forked
+    child's `_LIVE` is empty (see `os.register_at_fork` above)."""
     for job in list(_LIVE):
         job.stop()

@@ -22,9 +22,12 @@ sees its own lifeline end and stops (`fp16_sdk.toolkit.lifeline`), but stopped c
 the network stay. Every resource also carries `fp16_sdk.sdk=<boot id>/<pid namespace>/<pid>/
 <start time>` of the SDK process: `prune` (run by each local Docker `fit()`, or by hand as
 `python -m fp16_sdk.backends.local_docker_reaper --prune`) removes the jobs whose SDK is known
-to be gone: same boot and pid namespace as the caller, and no process with that pid and start
-time. A job started elsewhere (another machine's or container's SDK on a shared engine) or
-before these labels existed is never touched.
+to be gone: same boot and pid namespace as the caller, and /proc showing that pid with another
+start time, or no process with that pid at all (`kill(pid, 0)`, which answers every user). A
+pid that exists but that /proc hides (another user's SDK under `hidepid`) is never taken for
+dead, nor is a job whose resources disagree about their owner (a mislabelled network), nor a
+job started elsewhere (another machine's or container's SDK on a shared engine) or before
+these labels existed.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp16_sdk import procfs
 from fp16_sdk.backends import local_lifeline
 
 __all__ = ["Reaper", "engine_url", "reap", "prune", "prune_quietly", "sdk_label", "sdk_gone",
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 
 LABEL_JOB = "fp16_sdk.job"  # the same label as local_docker_job.LABEL_JOB (a test checks it)
 LABEL_SDK = "fp16_sdk.sdk"  # the SDK process that owns the job, see `sdk_label`
+_PID_MAX_LIMIT = 4194304  # Linux's largest pid_max (a label beyond it was forged)
 
 
 def engine_url(client: Any) -> str:
@@ -140,21 +145,20 @@ def reap(client: Any, job: str, *, grace: int) -> list[str]:
 
 
 def _start_time(pid: int) -> str | None:
-    """The start time of live process `pid` (clock ticks since boot), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
+    """The start time of live process `pid` (clock ticks since boot), None when /proc shows
+    no live process with that pid (it ended, or /proc hides it: hidepid)."""
+    stat = procfs.read_stat(f"{procfs.PROC}/{pid}/stat")
+    if stat is None or stat.state in ("Z", "X") or stat.start_time is None:
         return None
-    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+    return str(stat.start_time)
 
 
 def _this_kernel() -> str | None:
     """`<boot id>/<pid namespace>` of this process: where its pids mean something."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
+        with open(f"{procfs.PROC}/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+        return f"{boot}/{os.readlink(f'{procfs.PROC}/self/ns/pid')}"
     except OSError:
         return None
 
@@ -167,26 +171,52 @@ def sdk_label() -> dict[str, str]:
 
 
 def sdk_gone(owner: str) -> bool:
-    """Whether the SDK process named by a `LABEL_SDK` value is known to have ended: it ran in
-    this boot and pid namespace, and no live process has its pid and start time."""
+    """Whether the SDK process named by a `LABEL_SDK` value is known to have ended.
+
+    Only evidence that any user can read counts: the label must name this boot and pid
+    namespace, and then either /proc shows the pid with another start time (the pid was
+    reused) or a zombie, or the kernel has no process with that pid at all (`kill(pid, 0)`:
+    ESRCH). A pid that exists but whose /proc entry cannot be read (another user's process
+    under hidepid, or /proc unreadable) may be the SDK itself: not gone, the job is left."""
     parts = owner.split("/")  # boot id, pid namespace, pid, start time
-    if len(parts) != 4 or "/".join(parts[:2]) != _this_kernel() or not parts[2].isdigit():
+    if len(parts) != 4 or "/".join(parts[:2]) != _this_kernel() or not parts[2].isdigit() \
+            or not parts[3].isdigit():
         return False
-    return _start_time(int(parts[2])) != parts[3]
+    pid = int(parts[2])
+    if not 0 < pid <= _PID_MAX_LIMIT:  # no process of this kernel ever had it: not ours
+        return False
+    stat = procfs.read_stat(f"{procfs.PROC}/{pid}/stat")
+    if stat is not None and stat.start_time is not None:
+        return stat.state in ("Z", "X") or str(stat.start_time) != parts[3]
+    if procfs.pid_exists(pid):
+        log.info("SDK process %d exists but /proc does not show it to this user (hidepid?): "
+                 "it may be the job's SDK, its job is left alone", pid)
+        return False
+    return True
 
 
 def prune(client: Any, *, grace: int) -> list[str]:
     """Remove the containers and networks of every job whose SDK process is gone (`sdk_gone`),
-    running or stopped; return their names. Jobs of live or unknown SDKs are left alone."""
-    owned = {"label": LABEL_SDK}
-    owners: dict[str, str] = {}
-    for labels in [c.get("Labels") or {} for c in client.api.containers(all=True, filters=owned)] \
-            + [n.get("Labels") or {} for n in client.api.networks(filters=owned)]:
-        if labels.get(LABEL_JOB) and labels.get(LABEL_SDK):
-            owners[labels[LABEL_JOB]] = labels[LABEL_SDK]
+    running or stopped; return their names.
+
+    A job is taken only when every container and network labelled with its name carries the
+    same `LABEL_SDK` owner and that owner is gone: one resource without the label, or with
+    another owner (a mislabelled or forged network), leaves the whole job alone. Jobs of live
+    or unknown SDKs are left alone, and logged when the SDK's liveness cannot be read."""
+    jobs: dict[str, set] = {}
+    for labels in [c.get("Labels") or {} for c in
+                   client.api.containers(all=True, filters={"label": LABEL_JOB})] \
+            + [n.get("Labels") or {} for n in client.api.networks(filters={"label": LABEL_JOB})]:
+        if labels.get(LABEL_JOB):
+            jobs.setdefault(labels[LABEL_JOB], set()).add(labels.get(LABEL_SDK))
     gone: list[str] = []
-    for job, owner in sorted(owners.items()):
-        if sdk_gone(owner):
+    for job, owners in sorted(jobs.items()):
+        if len(owners) != 1 or None in owners:
+            if len(owners) > 1:
+                log.info("left job %s alone: its resources name different SDK processes (%s)",
+                         job, ", ".join(sorted(map(str, owners))))
+            continue
+        if sdk_gone(next(iter(owners))):
             gone += reap(client, job, grace=grace)
     return gone
 

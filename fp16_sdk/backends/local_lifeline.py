@@ -13,9 +13,13 @@ in every such child right after the fork (`os.register_at_fork`).
 `HostLifelines` is the channel a container sees without the watchdog: a FIFO per host in the
 job folder, bind-mounted read-only into that host's container at `CONTAINER_DIR`. This process
 opens each for reading and writing (so opening never blocks) and writes one byte into it: the
-toolkit inside reads that byte first, which proves the FIFO is the one this process holds (on
-an engine in another kernel, Docker Desktop's VM, it would see end of file at once and so
-leaves the job to `max_run`), then waits for end of file (`fp16_sdk.toolkit.lifeline`).
+toolkit inside reads that byte first, which proves the FIFO is the one this process holds,
+then waits for end of file (`fp16_sdk.toolkit.lifeline`). End of file before the byte means
+either that this process died before the toolkit opened the FIFO (the byte went with the last
+holder) or that the engine runs in another kernel (Docker Desktop's VM), where the FIFO
+connects to nothing; the file `kernel` beside the FIFO holds this kernel's boot id, which a
+container shares with its host kernel, so the toolkit tells the two apart: the same kernel
+means the SDK is gone (stop), another one leaves the job to `max_run`.
 """
 
 from __future__ import annotations
@@ -26,12 +30,23 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["hold", "let_go", "HostLifelines", "CONTAINER_DIR", "CONTAINER_PATH"]
+__all__ = ["hold", "let_go", "HostLifelines", "boot_id", "CONTAINER_DIR", "CONTAINER_PATH",
+           "KERNEL_NAME"]
 
 CONTAINER_DIR = "/run/fp16_sdk"
 _FIFO_NAME = "sdk"
 CONTAINER_PATH = f"{CONTAINER_DIR}/{_FIFO_NAME}"
 HELLO = b"\n"
+KERNEL_NAME = "kernel"  # beside the FIFO: the boot id of the kernel that holds it
+
+
+def boot_id() -> str | None:
+    """This kernel's boot id (the same inside a container: it is not namespaced)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 _HELD: set[int] = set()
 _LOCK = threading.Lock()
@@ -90,6 +105,7 @@ class HostLifelines:
                 fd = hold(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
                 self._fds.append(fd)
                 os.write(fd, HELLO)
+                (folder / host / KERNEL_NAME).write_text(boot_id() or "")
         except BaseException:
             self.close()
             raise

@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _LIVE: "weakref.WeakSet[LocalProcessJob]" = weakref.WeakSet()
+# A child forked without exec owns none of its parent's jobs: its normal exit must not run the
+# parent's stop (it would hang on threads that did not survive the fork, or stop the job).
+os.register_at_fork(after_in_child=_LIVE.clear)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +136,7 @@ class LocalProcessJob(JobHandle):
         self._log = lc.JobLog()
         self._status = JobStatus.IN_PROGRESS
         self._stop_requested = threading.Event()
+        self._max_run_exceeded = False  # Stopped / MaxRuntimeExceeded, as SageMaker and Docker
         self._done = threading.Event()
         self._error: TrainingJobFailedError | None = None
         self._exit_codes: dict[str, int | None] = {}
@@ -212,8 +216,10 @@ class LocalProcessJob(JobHandle):
                 break
             if all(c == 0 for c in codes.values()):
                 break
-            if time.monotonic() > deadline:
-                reason = f"MaxRuntimeExceeded: the job ran longer than max_run={self.spec.max_run}s"
+            if time.monotonic() > deadline:  # SageMaker stops the job: Stopped, not Failed
+                log.warning("%s: max_run (%s s) exceeded: stopping it (MaxRuntimeExceeded)",
+                            self.name, self.spec.max_run)
+                self._max_run_exceeded = True
                 break
             time.sleep(_POLL_S)
         self._terminate_all()
@@ -252,7 +258,7 @@ class LocalProcessJob(JobHandle):
             self._artifacts = lc.collect_artifacts(self.spec, self._trees)
         except OSError as exc:
             log.warning("job %s: collecting artifacts failed: %s", self.name, exc)
-        if self._stop_requested.is_set():
+        if self._stop_requested.is_set() or self._max_run_exceeded:
             self._status = JobStatus.STOPPED
         elif failed_host is not None or reason is not None:
             self._status = JobStatus.FAILED
@@ -293,8 +299,10 @@ class LocalProcessJob(JobHandle):
         failures = {t.host: lc.host_failure(t) for t in self._trees}
         origin = origin_failure(failures.values()) if failures[host] is not None else None
         if origin is not None:
-            return TrainingJobFailedError(self.name, host=origin.host,
-                                          exit_code=origin.exit_code, reason=origin.reason)
+            code = origin.exit_code  # the file's header; else what this backend saw
+            return TrainingJobFailedError(
+                self.name, host=origin.host, reason=origin.reason,
+                exit_code=code if code is not None else self._exit_codes.get(origin.host))
         tail = [ln for ln in self._log.lines() if ln.startswith(f"{host} | ")][-20:]
         code = self._exit_codes.get(host)
         return TrainingJobFailedError(
@@ -363,7 +371,9 @@ class LocalProcessJob(JobHandle):
             failure_reason=self._error.reason if self._error is not None else None,
             final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
                            if done else None),
-            extra={"HostExitCodes": self.exit_codes})
+            extra={"HostExitCodes": self.exit_codes,
+                   "SecondaryStatus": "MaxRuntimeExceeded" if self._max_run_exceeded and done
+                   else self._status.value})
 
 
 SAGEMAKER_ROOT = Path("/opt/ml")
@@ -372,26 +382,35 @@ _ESCAPE_SCAN = 1000  # entries looked at, at most: a warning needs a few example
 
 def written_under(root: Path, *, since: float) -> list[Path]:
     """Files under `root` modified at or after `since` (epoch seconds), without following
-    links, at most `_ESCAPE_SCAN` entries visited. A local_process host's processes run on this
-    machine, so a script that writes /opt/ml/... literally (AWS's GPT scripts default
-    --checkpoint-dir to /opt/ml/checkpoints) writes here, not into its host's tree."""
-    found, visited = [], 0
-    for folder, dirs, files in os.walk(root, followlinks=False):
-        for name in files:
-            visited += 1
-            path = Path(folder) / name
-            try:
-                if path.lstat().st_mtime >= since:
-                    found.append(path)
-            except OSError:
-                continue
-        visited += len(dirs)
-        if visited >= _ESCAPE_SCAN:
-            break
+    links, at most `_ESCAPE_SCAN` directory entries read, however they are spread (one folder
+    of a million files included: entries are read one by one, never a folder's whole listing).
+    A local_process host's processes run on this machine, so a script that writes /opt/ml/...
+    literally (AWS's GPT scripts default --checkpoint-dir to /opt/ml/checkpoints) writes here,
+    not into its host's tree."""
+    found, visited, todo = [], 0, [root]
+    while todo and visited < _ESCAPE_SCAN:
+        try:
+            entries = os.scandir(todo.pop())
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                visited += 1
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        todo.append(entry.path)
+                    elif entry.stat(follow_symlinks=False).st_mtime >= since:
+                        found.append(Path(entry.path))
+                except OSError:
+                    pass  # removed meanwhile
+                if visited >= _ESCAPE_SCAN:
+                    break
     return sorted(found)
 
 
 @atexit.register
 def _stop_live_jobs() -> None:
+    """Jobs must not outlive the Python that started them (wait=False jobs); a forked child's
+    `_LIVE` is empty (see `os.register_at_fork` above)."""
     for job in list(_LIVE):
         job.stop()

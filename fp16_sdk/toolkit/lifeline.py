@@ -7,8 +7,10 @@ them. So the local Docker backend gives each container two more variables:
 - `FP16_SDK_LIFELINE_PATH`: a FIFO that only the SDK process holds open for writing
   (`fp16_sdk.backends.local_lifeline`). Its first byte proves the connection; end of file after
   it means the SDK is gone, and the toolkit stops its tree as on SIGTERM. End of file before any
-  byte means the FIFO is not the SDK's (an engine in another kernel, as Docker Desktop's VM):
-  the toolkit says so and leaves the job to `max_run`.
+  byte means the SDK died before the toolkit read it (the byte goes with the last holder), or
+  the FIFO is not the SDK's (an engine in another kernel, as Docker Desktop's VM): the boot id
+  the SDK wrote beside the FIFO tells which, since a container shares its host's kernel. The
+  same kernel: the toolkit stops; another: it says so and leaves the job to `max_run`.
 - `FP16_SDK_MAX_RUN_S`: after this many seconds the toolkit stops its tree as on SIGTERM and
   logs MaxRuntimeExceeded, as SageMaker stops a job at MaxRuntimeInSeconds. The SDK passes
   `max_run` plus a few seconds, so that while it lives it stops the job first and reports it.
@@ -26,6 +28,8 @@ from typing import Mapping
 
 from fp16_sdk import contract
 from fp16_sdk.toolkit.env import seconds_setting
+
+KERNEL_NAME = "kernel"  # beside the FIFO (backends.local_lifeline writes it; a test checks)
 
 __all__ = ["start", "max_run_s"]
 
@@ -54,6 +58,19 @@ def _read(fd: int, size: int) -> bytes:
             return b""
 
 
+def _same_kernel(record: str) -> bool:
+    """Whether the boot id the SDK wrote beside its FIFO is this kernel's (a container shares
+    its host's); False when either cannot be read."""
+    try:
+        with open(record) as f:
+            theirs = f.read().strip()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            ours = f.read().strip()
+    except OSError:
+        return False
+    return bool(theirs) and theirs == ours
+
+
 def _watch_fifo(path: str) -> None:
     try:
         # Non-blocking open: a FIFO without a writer would block a plain open for reading.
@@ -64,9 +81,15 @@ def _watch_fifo(path: str) -> None:
              "max_run if its SDK dies")
         return
     if not _read(fd, 1):
-        _say(f"the SDK's lifeline {path} has no writer (an engine in another kernel?): not "
-             "watched; the job ends at max_run if its SDK dies")
         os.close(fd)
+        if _same_kernel(os.path.join(os.path.dirname(path), KERNEL_NAME)):
+            # The FIFO is this kernel's and has no writer left: the SDK died before we read
+            # its first byte (the byte went with it), e.g. within a second of the start.
+            _stop("the SDK process that started this job is gone (its lifeline ended before "
+                  "this toolkit read it)")
+        else:
+            _say(f"the SDK's lifeline {path} has no writer and was made in another kernel "
+                 "(an engine in a VM?): not watched; the job ends at max_run if its SDK dies")
         return
     while _read(fd, 4096):
         pass

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from fp16_sdk.procfs import read_stat
+from fp16_sdk.toolkit.errorlines import TRACEBACK, diagnostic, exception_line, rank
 from fp16_sdk.toolkit.stops import StopSignals
 
 __all__ = ["ProcessResult", "run_process", "descendants", "become_subreaper", "watch_lifeline",
@@ -54,7 +55,14 @@ class ProcessResult:
         sent_signal: the last signal the toolkit sent to the command while it was still
             running (SIGTERM on a stop, SIGKILL after the grace), None if it sent none.
         ended_at: when the command ended (seconds since the epoch).
-        first_error_at: when the first line of a Python traceback reached our stderr.
+        error_at: when the traceback of the command's error reached our stderr: the last
+            one of the best `errorlines.rank` (the script's own error before a rank's
+            reaction to a lost peer, torchrun's own never), the one the failure file's
+            ErrorMessage names. A traceback the script printed and went on from (a handled
+            error) is not it once a later one came.
+        went_on_after_error: the command wrote more to stderr after that traceback's
+            exception line and before the stop (runtime warnings aside): it was not failing
+            when it was stopped, the traceback was a handled error.
         stopped_at: when the stop signal arrived.
     """
 
@@ -63,7 +71,8 @@ class ProcessResult:
     stopped_by: int | None = None
     sent_signal: int | None = None
     ended_at: float = 0.0
-    first_error_at: float | None = None
+    error_at: float | None = None
+    went_on_after_error: bool = False
     stopped_at: float | None = None
 
 
@@ -183,10 +192,18 @@ class _Tree:
                 pass
 
     def workers_done(self) -> bool:
-        """Processes below the command were seen and none is alive: the command is alone."""
-        self.refresh()
-        others = self.known - {self.proc.pid}
-        return bool(others) and not any(_pid_alive(pid) for pid in others)
+        """No process below the command is alive now: the command (a launcher) is alone.
+
+        Decided from the tree as it is now, never from workers seen earlier: torchrun reaps a
+        worker within 0.1 s of its exit, so a worker that lived a few milliseconds is never
+        seen by a look every 0.5 s (issue 42, T4-14). A launcher that has not started its
+        workers yet is alone too; the settle that follows ends as soon as one starts."""
+        below = set(descendants(self.proc.pid))
+        if _SUBREAPER.is_set():  # orphans of the tree were reparented to us
+            below.update(descendants(os.getpid()))
+        self.known.update(below)
+        below.discard(self.proc.pid)
+        return not any(_pid_alive(pid) for pid in below)
 
     def alive(self) -> bool:
         if self.proc.poll() is None:
@@ -206,13 +223,11 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-_TRACEBACK = b"Traceback (most recent call last)"
-
-
 def _pump_stderr(pipe, tail: collections.deque, marks: dict) -> None:
-    """Copy the child's stderr to ours as it comes, keeping the last lines; marks["error"] is
-    when the first traceback arrived (a rank's own error comes before a peer's reaction)."""
+    """Copy the child's stderr to ours as it comes, keeping the last lines; marks["tracebacks"]
+    is [start time, exception line or None, went on] for each traceback, in order (`_error`)."""
     out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    tracebacks: list[list] = marks.setdefault("tracebacks", [])
     partial = b""
     while True:
         chunk = os.read(pipe.fileno(), 65536)
@@ -223,14 +238,35 @@ def _pump_stderr(pipe, tail: collections.deque, marks: dict) -> None:
             out.flush()
         else:
             sys.stderr.write(chunk.decode("utf-8", "replace"))
-        if "error" not in marks and _TRACEBACK in partial + chunk:
-            marks["error"] = time.time()
         lines = (partial + chunk).split(b"\n")
         partial = lines.pop()
-        tail.extend(line.decode("utf-8", "replace") for line in lines)
+        for raw in lines:
+            line = raw.decode("utf-8", "replace")
+            tail.append(line)
+            _note_error(line, tracebacks, stopped="stopped" in marks)
     if partial:
         tail.append(partial.decode("utf-8", "replace"))
+        _note_error(tail[-1], tracebacks, stopped="stopped" in marks)
     pipe.close()
+
+
+def _note_error(line: str, tracebacks: list[list], *, stopped: bool) -> None:
+    if TRACEBACK in line:
+        tracebacks.append([time.time(), None, False])
+    elif tracebacks and tracebacks[-1][1] is None:
+        tracebacks[-1][1] = exception_line(line)  # None until the traceback's last line
+    elif tracebacks and line.strip() and not stopped and not diagnostic(line):
+        tracebacks[-1][2] = True  # the script wrote on after it: a handled error
+
+
+def _error(tracebacks: list[list]) -> tuple[float | None, bool]:
+    """(when the traceback of the command's error began, whether the command went on after
+    it): the last traceback of the best `errorlines.rank`, the error the failure file names
+    (torchrun's own only when there is nothing else)."""
+    best = min((rank(error) for _, error, _ in tracebacks), default=2)
+    ours = [(at, went_on) for at, error, went_on in tracebacks
+            if rank(error) == best and best < 2]
+    return ours[-1] if ours else (None, False)
 
 
 def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
@@ -245,10 +281,12 @@ def run_process(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path,
 
     A launcher (torchrun) outlives its workers for a moment: it waits for the other hosts'
     launchers (its exit barrier) and shuts its rendezvous down. With `settle_s` > 0, a stop
-    that arrives once every process the command started has exited gives the command up to
-    `settle_s` to exit by itself before it gets SIGTERM: its own exit status then says whether
-    its workers succeeded (a job whose training finished is a success, even when the
-    platform stopped the container a moment later, as compose does once another host exited).
+    that finds no process alive below the command gives the command up to `settle_s` to exit
+    by itself before it gets SIGTERM: its own exit status then says whether its workers
+    succeeded (a job whose training finished is a success, even when the platform stopped the
+    container a moment later, as compose does once another host exited). A stop that comes
+    while the launcher is still starting its workers is forwarded as soon as one starts, or
+    after `settle_s`.
 
     Args:
         argv: the command (never a shell string).
@@ -332,7 +370,9 @@ def _run(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, grace_s: flo
     return ProcessResult(exit_code=128 - code if code < 0 else code, stderr_tail=list(tail),
                          stopped_by=stops.received if "stopped" in marks else None,
                          sent_signal=tree.sent_to_command, ended_at=marks["ended"],
-                         first_error_at=marks.get("error"), stopped_at=marks.get("stopped"))
+                         error_at=_error(marks.get("tracebacks", []))[0],
+                         went_on_after_error=_error(marks.get("tracebacks", []))[1],
+                         stopped_at=marks.get("stopped"))
 
 
 def _note(message: str) -> None:

@@ -3,7 +3,8 @@
 Layout (SageMaker shows the first 1024 characters as FailureReason, so the useful lines come
 first): the contract's header (`ExitCode N`, `FailedAt`, `Signal N NAME toolkit|outside`),
 `Command: ...` (cut when very long), `ErrorMessage: ...` (the last exception line of the
-stderr tail), one explanatory line when a signal ended the command, a blank line, the tail.
+stderr tail of the best `errorlines.rank`: the script's own error before a rank's reaction to
+a lost peer, torchrun's own never), one explanatory line when a signal ended the command, a blank line, the tail.
 
 Who sent the SIGKILL matters: one the toolkit sent itself (after a stop, when the process
 outlived the grace) is said as such; only a SIGKILL from outside gets the out-of-memory hint.
@@ -18,6 +19,7 @@ import time
 from typing import Sequence
 
 from fp16_sdk import contract
+from fp16_sdk.toolkit.errorlines import exception_line, rank
 from fp16_sdk.toolkit.process import ProcessResult
 
 __all__ = ["failure_text", "result_failure", "setup_failure", "display", "OOM_HINT"]
@@ -28,16 +30,6 @@ OOM_HINT = ("The process was killed with SIGKILL (exit 137), most often by the k
 _COMMAND_SHOWN = 400  # characters of a command line kept in the header
 # torchrun's error summary for a worker killed by SIGKILL.
 _WORKER_SIGKILL = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
-# "ValueError: ..." as Python prints it last in a traceback; torchrun's own ChildFailedError
-# only says that a worker failed, and its SignalException that it was stopped, so the
-# worker's exception is preferred.
-_EXCEPTION_LINE = re.compile(r"^[\w.]*(?:Error|Exception|Interrupt)(?::|$)")
-_LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
-# torch prefixes a worker's uncaught traceback with "[rankN]: " once its process group exists
-# (every smp job), and torchrun's --tee with "[defaultN]:"; the exception line follows it.
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
-
-
 def display(argv: Sequence[str]) -> str:
     """The command as one line, for humans only (never executed)."""
     return shlex.join(argv)
@@ -70,10 +62,9 @@ def failure_text(exit_code: int, argv: Sequence[str], stderr_tail: Sequence[str]
                                     signal_from_toolkit=signal_from_toolkit,
                                     signal_after_error=signal_after_error)
     lines.append(f"Command: {_shown_command(argv)}")
-    unprefixed = (_RANK_PREFIX.sub("", ln.strip()).strip() for ln in reversed(stderr_tail))
-    error = next((ln for ln in unprefixed
-                  if _EXCEPTION_LINE.match(ln)
-                  and not any(name in ln for name in _LAUNCHER_EXCEPTIONS)), None)
+    found = [e for e in map(exception_line, stderr_tail) if e is not None]
+    best = min(map(rank, found), default=2)
+    error = next((e for e in reversed(found) if rank(e) == best and best < 2), None)
     if error:
         lines.append(f"ErrorMessage: {error}")
     if note:
@@ -120,10 +111,11 @@ def _stop_note(result: ProcessResult, ending: int | None, grace_s: float) -> str
 def result_failure(result: ProcessResult, argv: Sequence[str], *, grace_s: float) -> str:
     """The failure file of a command that ended with a non-zero status."""
     sig, ours = _ending_signal(result)
-    began = [t for t in (result.first_error_at, result.stopped_at) if t is not None]
+    error_at = None if result.went_on_after_error else result.error_at  # handled: no error
+    began = [t for t in (error_at, result.stopped_at) if t is not None]
     note = _stop_note(result, sig, grace_s) if ours else None
-    after_error = (ours and result.first_error_at is not None and result.stopped_at is not None
-                   and result.first_error_at < result.stopped_at)
+    after_error = (ours and result.error_at is not None and result.stopped_at is not None
+                   and result.error_at < result.stopped_at and not result.went_on_after_error)
     return failure_text(result.exit_code, argv, result.stderr_tail,
                         failed_at=min(began) if began else result.ended_at, signal=sig,
                         signal_from_toolkit=ours, signal_after_error=after_error, note=note)

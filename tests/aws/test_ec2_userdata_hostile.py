@@ -310,6 +310,12 @@ def _plant_links(tmp_path: Path) -> Path:
     (model / "abs").symlink_to(secret)                           # outside: left out
     (model / "climb").symlink_to("../../host/config.json")       # outside: left out
     (model / "hostdir").symlink_to(secret.parent)                # outside: left out
+    # A chain (issue 42, T4-11): each link looks inside, together they lead out. sub/loop
+    # -> .. is the model folder itself; "chain" is model/host/config.json to a lexical eye,
+    # but through sub/loop it climbs two folders above the model folder, to the secret.
+    (model / "sub" / "loop").symlink_to("..")                     # inside: kept
+    (model / "chain").symlink_to("sub/loop/../../host/config.json")  # outside: left out
+    (model / "relay").symlink_to("chain")                        # to "chain": left out
     return secret
 
 
@@ -319,11 +325,12 @@ def test_archives_keep_links_as_links_and_leave_out_links_outside(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with tarfile.open(tmp_path / "m.tar") as tar:
         members = {m.name: m for m in tar.getmembers()}
-        assert sorted(members) == ["latest", "sub", "sub/up", "weights.pt"]
+        assert sorted(members) == ["latest", "sub", "sub/loop", "sub/up", "weights.pt"]
         assert members["latest"].issym() and members["latest"].linkname == "weights.pt"
         assert all(b"HOST-SECRET" not in (tar.extractfile(m).read() if m.isfile() else b"")
                    for m in members.values())
     assert "not archiving model/abs" in proc.stdout and "not archiving model/climb" in proc.stdout
+    assert "not archiving model/chain" in proc.stdout and "not archiving model/relay" in proc.stdout
 
 
 def test_a_model_folder_that_is_a_link_is_refused_and_never_archived(tmp_path):

@@ -32,6 +32,12 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
 - `ec2_stand_ins`: the EC2 backend's emulated account (`infra`) and training-image containers
   standing in for instances (`run_stand_ins`).
 - `hf_versions`: `hf_folder`, the extra transformers versions (oldest, newest) jobs run on.
+- `forged_numpy`: numpy pickles forged as an attacker would (`object_array_from` an address,
+  `flagged_float_array`), for the checkpoint loader's tests (imports torch).
+- `forged_failure`: a script forging its failure file's header (`FORGER`), `fit_outcome` (fails
+  when fit() hangs) and `check_forged_failure`, for local_process and Docker.
+- `forked_sdk`: `run_driver`, an SDK that starts a job with wait=False and forks a child that
+  exits normally, for local_process and Docker.
 
 No test module imports another (tests/unit/test_import_boundaries.py checks it): what two test
 files share lives here. This list names every module of the package, and only those

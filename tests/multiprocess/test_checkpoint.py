@@ -75,12 +75,33 @@ def test_atomic_write_leaves_old_bytes_or_new_bytes(tmp_path):
 def test_newest_list_and_pruning(tmp_path):
     for i in range(1, 5):
         (tmp_path / f"s{i}_partial").mkdir()
+        (tmp_path / f"s{i}_partial" / cf.MANIFEST).write_text("{}")  # what a save commits
         pruned = cf.update_newest(str(tmp_path), f"s{i}_partial", keep=2)
         assert pruned == ([f"s{i - 2}_partial"] if i > 2 else [])
     assert cf.read_newest(str(tmp_path)) == ["s3_partial", "s4_partial"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["newest", "s3_partial", "s4_partial"]
     cf.update_newest(str(tmp_path), "s3_partial", keep=None)  # re-saved tag moves to the end
     assert (tmp_path / "newest").read_text() == "s4_partial\ns3_partial\n"
+
+
+def test_pruning_never_deletes_a_folder_that_is_no_checkpoint(tmp_path):
+    """Issue 42 (T4-12): `newest` is a plain file in the checkpoint folder; lines planted in it
+    made the next save delete whatever folder they named. Only smp's own partial checkpoint
+    folders (named *_partial, no link, holding the manifest or the plan) are deleted."""
+    keep = tmp_path / "dataset"
+    (keep / "shard").mkdir(parents=True)
+    lookalike = tmp_path / "results_partial"  # the name, no manifest: a user's folder
+    lookalike.mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "linked_partial").symlink_to(tmp_path / "outside")
+    (tmp_path / "outside" / cf.MANIFEST).write_text("{}")
+    (tmp_path / "newest").write_text("dataset\nresults_partial\nlinked_partial\n")
+    (tmp_path / "s1_partial").mkdir()
+    (tmp_path / "s1_partial" / cf.MANIFEST).write_text("{}")
+    assert cf.update_newest(str(tmp_path), "s1_partial", keep=1) == []
+    assert (keep / "shard").is_dir() and lookalike.is_dir()
+    assert (tmp_path / "outside" / cf.MANIFEST).is_file()
+    assert cf.read_newest(str(tmp_path)) == ["s1_partial"]
 
 
 def test_manifest_checks_name_the_files(tmp_path):

@@ -6,6 +6,9 @@
 - A planted pickle (in the RNG-state file or in user_content.pt, with the manifest's sha256
   forged to match) is refused naming the file, and its code never runs; a file changed
   without forging the manifest is refused by the sha256 check (RNG-state files included).
+- A planted RNG-state file whose numpy state is a forged object array (raw bytes that numpy
+  took as an object pointer: every rank crashed in `set_rng_state`, issue 42 T4-1), with the
+  manifest forged to match, is refused naming the file.
 - A full checkpoint cannot be tagged `newest` (it would overwrite the index).
 """
 
@@ -174,9 +177,17 @@ class _Planted:
         return (Path(self.marker).write_text, ("pwned",))
 
 
-def _plant(folder: Path, name: str, marker: Path, *, forge_manifest: bool) -> None:
+def _plant(folder: Path, name: str, marker: Path, *, forge_manifest: bool,
+           numpy_pointer: bool = False) -> None:
     import torch
-    torch.save({"torch": _Planted(str(marker))}, folder / name)
+    if numpy_pointer:  # the real RNG state, its numpy keys an object array from raw bytes
+        from helpers import forged_numpy
+        saved = torch.load(folder / name, weights_only=False)
+        kind, _, *rest = saved["numpy"]
+        (folder / name).write_bytes(forged_numpy.object_array_from(
+            0x4141414141, wrap=lambda a: {**saved, "numpy": (kind, a, *rest)}))
+    else:
+        torch.save({"torch": _Planted(str(marker))}, folder / name)
     if forge_manifest:
         manifest = json.loads((folder / MANIFEST).read_text())
         data = (folder / name).read_bytes()
@@ -193,6 +204,7 @@ def test_planted_pickles_are_refused_naming_the_file(tmp_path):
     finally:
         savers.close()
     cases = {"rng-forged": ("rng_states_0_0_0.pt", True),
+             "rng-numpy-pointer": ("rng_states_0_0_0.pt", True),
              "user-forged": ("user_content.pt", True),
              "rng-unforged": ("rng_states_0_0_0.pt", False)}
     dirs = {}
@@ -200,7 +212,7 @@ def test_planted_pickles_are_refused_naming_the_file(tmp_path):
         dirs[case] = tmp_path / case
         shutil.copytree(base, dirs[case])
         _plant(dirs[case] / "ckpt_partial", name, tmp_path / f"{case}.marker",
-               forge_manifest=forge)
+               forge_manifest=forge, numpy_pointer=case == "rng-numpy-pointer")
     got = _resume(*dirs.values())
     for case, (name, forge) in cases.items():
         message = got[str(dirs[case])]

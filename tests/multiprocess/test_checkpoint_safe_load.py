@@ -8,6 +8,12 @@
 - An AWS-GPT-style checkpoint (user_content with `num_params` from `np.prod`, the
   transformers `model_config`, cli args and the LR scheduler state) saved by a real job at
   world size 2 (Gloo) resumes in a fresh job and trains on.
+- Every file smp writes (`smp.save` partial / full / v3, `smp.save_checkpoint` partial and full:
+  model, optimizer, fp16 states, config, user_content, RNG states) and every file Trainer's smp
+  path writes (but training_args.bin and the empty user_content.pt marker, which Trainer
+  never loads) holds only globals on smp's
+  allow-list (the list is derived from them: torch's own scan of the pickle, before the list is
+  applied), and loads through it equal to a plain unpickling (torch.load weights_only=False).
 - Hugging Face Trainer (transformers pinned, unchanged) resuming a checkpoint its own smp
   path saved, with a planted `pytorch_model.bin` or `optimizer.pt_0`, fails with the
   CheckpointError and never runs the pickle, though TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is set
@@ -18,14 +24,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import smdistributed.modelparallel.torch as smp
+from fp16_sdk.modelparallel.torch.checkpoint import safe_load
 from helpers.mp import run_ranks
 from helpers.paths import SCRIPTS
 
@@ -186,6 +195,75 @@ def test_aws_gpt_style_user_content_resumes_at_world_2(tmp_path):
         assert loss == loss_after_save
 
 
+# ---- every kind of file smp and Trainer write loads through the allow-list -------------------
+def _write_every_kind(rank, world, out):
+    smp.init()
+    model, opt, ckpt_train = _model()
+    _train_one(model, opt, ckpt_train, 0)
+    user = _aws_user_content(model)
+    smp.save_checkpoint(out, tag="partial", partial=True, model=model, optimizer=opt,
+                        user_content=user)
+    smp.save_checkpoint(out, tag="full", partial=False, model=model, optimizer=opt,
+                        user_content=user)
+    for partial in (True, False):
+        smp.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                 os.path.join(out, f"save-{partial}.pt"), partial=partial)
+    smp.save(opt.local_state_dict(), os.path.join(out, "v3.pt"), partial=True, v3=True)
+
+
+def _registered_names() -> set[str]:
+    """The pickle names smp's list answers (a class under its module and qualified name)."""
+    return {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}"
+            for g in safe_load.allowed_globals()}
+
+
+def _check_every_file(folder: Path, skip=()) -> list[str]:
+    """Each checkpoint file under `folder`: its globals (torch's scan, without smp's list) are
+    all on smp's list, and smp's load equals a plain unpickling. Returns the files checked."""
+    registered, checked = _registered_names(), []
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file() or path.suffix in (".json", ".txt") or path.name == "newest" \
+                or path.name in skip:
+            continue  # smp's and Trainer's indexes and manifests are JSON or text
+        needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        assert needed <= registered, (path.name, needed - registered)
+        got = safe_load.load(str(path), map_location="cpu", opt_in="test")
+        _same(got, torch.load(path, map_location="cpu", weights_only=False), path.name)
+        checked.append(path.name)
+    return checked
+
+
+def _same(a, b, where):
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype, where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "to_dict"):  # a transformers config
+        assert a.to_dict() == b.to_dict(), where
+    else:
+        assert a == b, where
+
+
+def test_every_file_smp_writes_loads_through_the_allow_list(tmp_path):
+    pytest.importorskip("transformers")
+    env = {"SM_HP_MP_PARAMETERS": json.dumps(DP2)}
+    run_ranks(_write_every_kind, 1, str(tmp_path), env=env, timeout=300)
+    from transformers import GPT2Config  # noqa: F401  (a resuming script has imported it)
+    checked = _check_every_file(tmp_path)
+    kinds = {name.split("_")[0].split(".")[0].split("-")[0] for name in checked}
+    assert kinds >= {"model", "optimizer", "fp16", "smp", "user", "rng", "save", "v3"}, checked
+
+
 # ---- Hugging Face Trainer's smp resume -------------------------------------------------------
 TRAINER_ENV = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 1, "microbatches": 1,
                                                   "ddp": True, "fp16": True}),
@@ -225,6 +303,10 @@ def test_trainer_resume_refuses_planted_model_and_optimizer_files(tmp_path):
     run_ranks(_trainer_save, 1, str(tmp_path / "hf"), env=TRAINER_ENV, timeout=300)
     saved = tmp_path / "hf" / "checkpoint-1"
     assert (saved / "user_content.pt").exists() and (saved / "optimizer.pt_0").exists()
+    # training_args.bin: Trainer never loads it; user_content.pt: an empty marker it touches
+    checked = _check_every_file(saved, skip=("training_args.bin", "user_content.pt"))
+    assert {"pytorch_model.bin", "optimizer.pt_0", "rng_state.pth", "scheduler.pt"} <= \
+        set(checked), checked
     for name in ("pytorch_model.bin", "optimizer.pt_0"):
         planted, marker = tmp_path / f"planted-{name}", tmp_path / f"{name}.marker"
         shutil.copytree(saved, planted)

@@ -255,7 +255,8 @@ def _partial_folders(path: str) -> list[str]:
 
 
 def update_newest(path: str, entry: str, keep: int | None) -> list[str]:
-    """Append `entry` to `newest` (atomically), then delete the folders beyond `keep`.
+    """Append `entry` to `newest` (atomically), then delete the folders beyond `keep` that are
+    smp's partial checkpoints (a line naming any other folder only leaves the list).
 
     Returns:
         The folders pruned.
@@ -270,9 +271,26 @@ def update_newest(path: str, entry: str, keep: int | None) -> list[str]:
     entries = entries[len(pruned):]
     atomic_write(os.path.join(path, NEWEST),
                  lambda f: f.write("".join(f"{e}\n" for e in entries).encode()))
+    removed = []
     for old in pruned:  # after newest moved: a crash here leaves only unlisted folders
-        shutil.rmtree(os.path.join(path, old), ignore_errors=True)
-    return pruned
+        folder = os.path.join(path, old)
+        if not _is_checkpoint_folder(folder):  # `newest` is a file anyone may have edited
+            log.warning("not pruning %r: `newest` lists it, but it is no smp partial "
+                        "checkpoint folder (a real folder named *_partial holding %s or %s)",
+                        folder, MANIFEST, PLAN)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(old)
+    return removed
+
+
+def _is_checkpoint_folder(folder: str) -> bool:
+    """A folder a save of smp made: named `*_partial`, itself no link, holding its manifest or
+    its plan as a regular file (every save writes the plan first)."""
+    if not folder.endswith("_partial") or os.path.islink(folder) or not os.path.isdir(folder):
+        return False
+    return any(os.path.isfile(os.path.join(folder, name))
+               and not os.path.islink(os.path.join(folder, name)) for name in (MANIFEST, PLAN))
 
 
 # ---- manifests ---------------------------------------------------------------------------

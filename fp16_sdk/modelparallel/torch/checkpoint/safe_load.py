@@ -8,10 +8,11 @@ its opcode checks are the security boundary and stay torch's to maintain.
 
 Allowed without asking, beyond torch's defaults (tensors, containers, numbers, strings,
 torch dtypes / sizes / devices):
-- numpy scalars, dtypes and plain arrays (`np.prod(...)` in AWS's scripts' user_content):
-  `scalar` / `_reconstruct` under both pickle names, `numpy.core.multiarray` (numpy 1.x)
-  and `numpy._core.multiarray` (numpy 2.x), so a file written under either loads under
-  either. Object arrays hold only what this same unpickler allows.
+- numpy scalars, dtypes and plain arrays (`np.prod(...)` in AWS's scripts' user_content,
+  numpy's RNG state in Trainer's rng_state.pth) under numpy 1.x's and 2.x's pickle names,
+  rebuilt by safe_numpy.py's stand-ins, never by numpy's `__setstate__` (which trusts the
+  file's dtype flags: a planted file could make numpy read raw bytes as object pointers).
+  Bool, int, float, complex, bytes, str and object dtypes (object arrays element by element).
 - transformers configuration objects (`PretrainedConfig` subclasses the job has imported;
   AWS's scripts save `model_config`) and `argparse.Namespace`: attribute bags, rebuilt by
   `object.__new__` plus a `__dict__` update, no code of theirs runs.
@@ -30,27 +31,9 @@ import sys
 import torch
 
 from ..errors import CheckpointError
+from . import safe_numpy
 
 __all__ = ["load", "allowed_globals"]
-
-_NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")  # 1.x, 2.x pickle names
-
-
-def _numpy_globals() -> list:
-    try:
-        import numpy as np
-    except ImportError:  # no numpy: a file that needs it is refused by name
-        return []
-    scalar = np.int64(0).__reduce__()[0]            # numpy's scalar rebuild function
-    reconstruct = np.zeros(1).__reduce__()[0]       # numpy's ndarray rebuild function
-    out: list = [np.ndarray, np.dtype]
-    for module in _NUMPY_MODULES:
-        out += [(scalar, f"{module}.scalar"), (reconstruct, f"{module}._reconstruct")]
-    # BUILD on a dtype checks its exact class (numpy.dtypes.Float32DType, ... since 1.25).
-    codes = np.typecodes["All"]
-    out += sorted({type(np.dtype(c)) for c in codes} - {np.dtype}, key=str)
-    return out
-
 
 def _config_classes() -> list:
     """transformers' PretrainedConfig and every subclass already imported (never imports it)."""
@@ -69,7 +52,7 @@ def _config_classes() -> list:
 
 def allowed_globals() -> list:
     """What smp adds to torch's weights-only allow-list for a load (see the module docstring)."""
-    return [*_numpy_globals(), *_config_classes(), argparse.Namespace]
+    return [*safe_numpy.globals_for_numpy(), *_config_classes(), argparse.Namespace]
 
 
 @contextlib.contextmanager
@@ -112,9 +95,18 @@ def load(path: str, *, map_location=None, weights_only: bool = True, opt_in: str
         return _torch_load(path, map_location=map_location, weights_only=False, **kwargs)
     with _allowed():
         try:
-            return _torch_load(path, map_location=map_location, weights_only=True, **kwargs)
+            before = safe_numpy.made()
+            loaded = _torch_load(path, map_location=map_location, weights_only=True, **kwargs)
+            return loaded if safe_numpy.made() == before else safe_numpy.plain(loaded)
         except _Refused as exc:
             offenders, detail = _offenders(path), str(exc)
+    if detail.startswith(safe_numpy.REFUSED):
+        raise CheckpointError(
+            f"refusing to load checkpoint file {path!r}: it holds a{detail[len('Unsupported'):]}"
+            f"; smp rebuilds numpy values itself, as plain data, and a value like this one "
+            f"cannot be rebuilt that way (or the file was forged to make numpy read raw bytes "
+            f"as object pointers). If you wrote this file yourself and trust it, unpickle "
+            f"everything with {opt_in}") from None
     what = ", ".join(offenders) if offenders else detail
     names = ", ".join(o.rsplit(".", 1)[-1] for o in offenders) or "<the type>"
     raise CheckpointError(
@@ -132,8 +124,8 @@ class _Refused(Exception):
 
 
 # What torch's WeightsUnpickler says when it refuses an object (not when the bytes are bad).
-_REFUSALS = ("Unsupported global", "Trying to call reduce", "Can only create new object",
-             "Can only build", "Trying to load unsupported GLOBAL")
+_REFUSALS = (safe_numpy.REFUSED, "Unsupported global", "Trying to call reduce",
+             "Can only create new object", "Can only build", "Trying to load unsupported GLOBAL")
 
 
 def _torch_load(path: str, **kwargs):
