@@ -189,6 +189,7 @@ else
     ((n_gpus > 1)) && gpu_files="/dev/nvidia[0-$((n_gpus - 1))]"
 fi
 mem_mb=$(( $(awk '/^MemTotal/ {print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
+cgroup_fs="$(stat -fc %T /sys/fs/cgroup 2>/dev/null)"
 
 write_conf() {  # task plugin
     FP16_SDK_SLURM_GPUS="$n_gpus" FP16_SDK_SLURM_GPU_FILES="$gpu_files" \
@@ -208,6 +209,11 @@ write_conf() {  # task plugin
     if [[ "$1" == task/cgroup ]]; then  # no systemd here: Slurm makes its cgroups itself
         printf '%s\n' CgroupPlugin=cgroup/v2 IgnoreSystemd=yes CgroupAutomount=yes \
             ConstrainCores=yes ConstrainDevices=yes > "$P/etc/cgroup.conf"
+    elif [[ "$cgroup_fs" == cgroup2fs ]]; then
+        # slurmd 22.05 loads its cgroup/v2 plugin on a cgroup2 host whatever the task plugin,
+        # and without this asks dbus (absent: no systemd) for a scope: seen on the GPU VM,
+        # "cgroup_dbus_attach_to_scope: cannot connect to dbus", slurmd initialization failed
+        printf '%s\n' CgroupPlugin=cgroup/v2 IgnoreSystemd=yes > "$P/etc/cgroup.conf"
     else
         rm -f "$P/etc/cgroup.conf"
     fi
@@ -309,10 +315,18 @@ head -c 1024 /dev/urandom > "$P/etc/munge/munge.key"
 chmod 0400 "$P/etc/munge/munge.key"
 start_munged
 
-cgroup_fs="$(stat -fc %T /sys/fs/cgroup 2>/dev/null)"
 pid1="$(cat /proc/1/comm 2>/dev/null)"
 cgroup_slices=(/sys/fs/cgroup/system.slice /sys/fs/cgroup/slurm)  # what cgroup/v2 may make
 for d in "${cgroup_slices[@]}"; do [[ -e "$d" ]] && made_cgroups+=("") || made_cgroups+=("$d"); done
+if [[ "$cgroup_fs" == cgroup2fs ]]; then
+    # With IgnoreSystemd, slurmd puts slurmstepd's scope under system.slice, which a host
+    # without systemd lacks ("Could not create scope directory ...: No such file or
+    # directory" on the GPU VM), and wants the controllers it constrains enabled below the root
+    mkdir -p /sys/fs/cgroup/system.slice 2>>"$LOG"
+    for c in cpuset cpu memory; do
+        echo "+$c" > /sys/fs/cgroup/cgroup.subtree_control 2>>"$LOG"
+    done
+fi
 task_reason=""
 if [[ "$TASK" == auto && "$cgroup_fs" == cgroup2fs ]] || [[ "$TASK" == task/cgroup ||
                                                             "$TASK" == try-cgroup ]]; then
