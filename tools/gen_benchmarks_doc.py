@@ -323,6 +323,37 @@ def gpu_docker_section() -> list[str]:
     return lines
 
 
+def slurm_gpu_section() -> list[str]:
+    d = _load("slurm_gpu")
+    if not d:
+        return ["No Slurm GPU results yet."]
+    sl, h = d["slurm"], d["hyperparameters"]
+    seen = next(iter(d["runs"]["slurm"]["rank_env"].values()))
+    lines = [f"{d['device']}, torch {d['torch']}; {sl['version']} (Debian 12's, carried with "
+             "munge by container/slurm_bundle.sh), one node = this host: slurmctld and slurmd, "
+             f"`{sl['gres']}`, {sl['task_plugin']} on {sl['cgroup_fs']} without systemd "
+             f"(sinfo: {sl['sinfo']}). Command: `bash benchmarks/slurm_gpu_host.sh`.", "",
+             f"The seed's FP16 job ({h['num_layers']} layers, hidden {h['hidden']}, seq "
+             f"{h['seq_len']}, batch {h['batch_size']}, vocab {h['vocab']}, {h['steps']} steps) "
+             f"through `fit(instance_type=\"slurm\", backend_options={d['slurm_backend_options']})`"
+             " against the same job in local_process:", "",
+             "| run | first step s | wall s | tokens/s | loss: first -> last | skipped |",
+             "|---|---|---|---|---|---|"]
+    for mode, r in d["runs"].items():
+        lines.append(f"| {mode} | {r['first_step_s']:.1f} | {r['wall_s']:.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f} | "
+                     f"{sum(r['skipped'])} |")
+    lines += ["", f"- loss max abs diff {d['loss_max_abs_diff']:.2e}; loss scales equal: "
+              f"{_fmt(d['scales_equal'])}; skipped steps equal: {_fmt(d['skipped_equal'])}; "
+              f"tokens/s Slurm / local_process {d['ratio']:.3f} (one run each, Slurm first)",
+              f"- what the rank saw under Slurm: CUDA_VISIBLE_DEVICES={seen['CUDA_VISIBLE_DEVICES']}"
+              f", NCCL_SOCKET_IFNAME={seen['NCCL_SOCKET_IFNAME']}, {len(seen['affinity'])} of "
+              f"{seen['cpu_count']} CPUs in its affinity, SLURM_CPUS_PER_TASK="
+              f"{seen['SLURM'].get('SLURM_CPUS_PER_TASK')}, SLURM_JOB_GPUS="
+              f"{seen['SLURM'].get('SLURM_JOB_GPUS')}"]
+    return lines
+
+
 def memory_section() -> list[str]:
     d = _load("memory")
     if not d:
@@ -418,6 +449,7 @@ def render() -> str:
              *pipeline_section(), "", "## fit() overhead (`benchmarks/fit_overhead.py`)", "",
              *fit_section(), "",
              "## local_gpu on one GPU (`gpu_docker.json`)", "", *gpu_docker_section(), "",
+             "## Slurm with a GPU node (`slurm_gpu.json`)", "", *slurm_gpu_section(), "",
              "## Import time of the smp runtime (`benchmarks/import_time.py`)", "",
              *import_section(), ""]
     extra = ROOT / "benchmarks" / "NOTES.md"
