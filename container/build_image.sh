@@ -135,7 +135,7 @@ fi
 if ! docker buildx version >/dev/null 2>&1; then
     export DOCKER_BUILDKIT=0  # no buildx plugin: the engine's classic builder
 fi
-docker build -f "$repo/container/Dockerfile" \
+docker build --force-rm -f "$repo/container/Dockerfile" \
     --build-arg BASE_IMAGE="$base" \
     --build-arg FP16_SDK_VARIANT="$variant" \
     --build-arg FP16_SDK_VERSION="$(basename "$sdk_wheel" | cut -d- -f2)" \
