@@ -22,9 +22,10 @@ import tempfile
 from pathlib import Path
 
 from fp16_sdk.errors import ConfigError
+from fp16_sdk.procfs import pid_exists
 
 __all__ = ["tuning_home", "record_path", "stop_path", "claim_record", "write_record", "read_record",
-           "has_record", "request_stop", "stop_requested", "now", "to_time", "pid_alive"]
+           "has_record", "request_stop", "stop_requested", "now", "to_time"]
 
 TERMINAL = ("Completed", "Failed", "Stopped")
 
@@ -83,16 +84,6 @@ def write_record(record: dict) -> None:
     os.replace(tmp, path)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_record(name: str) -> dict:
     """The record, with a dead searcher's InProgress turned into Failed.
 
@@ -110,7 +101,7 @@ def read_record(name: str) -> dict:
         return {"HyperParameterTuningJobName": name, "HyperParameterTuningJobStatus": "InProgress",
                 "Trials": []}
     status = record.get("HyperParameterTuningJobStatus")
-    if status not in TERMINAL and not pid_alive(record.get("Pid", 0)):
+    if status not in TERMINAL and not pid_exists(record.get("Pid", 0)):
         record["HyperParameterTuningJobStatus"] = "Failed"
         record["FailureReason"] = (f"the process that ran the search (pid {record.get('Pid')}) "
                                    "ended before the tuning job did")
