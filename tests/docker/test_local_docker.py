@@ -414,7 +414,7 @@ def _fake_gpu_machine(tmp_path: Path) -> GpuAccess:
     for name in ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1", "nvidia2", "nvidia3"):
         os.mknod(dev / name, 0o666 | stat.S_IFCHR, null)
     lib = tmp_path / "libcuda.so.580.1"
-    lib.write_text("not a driver")
+    lib.write_text("not a driver\n")  # a whole line: the engine's log keeps a partial one back
     ldconfig = f"\tlibcuda.so.1 (libc6,x86-64) => {lib}\n"
     return choose_gpu_access({"Runtimes": {"runc": {}}}, local_engine=True, dev=str(dev),
                              cdi_dirs=[], ldconfig_output=ldconfig)
@@ -468,7 +468,7 @@ def test_local_gpu_container_configuration_on_the_engine(client, tmp_path):
             IMAGE, ["sh", "-c", f"ls {' '.join(d.split(':')[1] for d in edits.devices)} && "
                                 "cat \"$LD_LIBRARY_PATH/libcuda.so.1\""],
             remove=True, network_mode="none", **kwargs).decode()
-        assert out.endswith("not a driver") and "nvidia3" in out, out
+        assert out.endswith("not a driver\n") and "nvidia3" in out, out
     finally:
         job.discard()
     assert _leftovers(client, spec.job_name) == []
