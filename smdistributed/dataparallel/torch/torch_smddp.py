@@ -40,6 +40,12 @@ def _create(store: dist.Store, rank: int, size: int,
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
+    # Gloo's worker threads must finish with Python before the interpreter shuts down, or a
+    # script that ends right after a collective can abort ("terminate called without an active
+    # exception", torch 2.13 on Python 3.11): the exit step smp.init() registers (gloo_exit.py)
+    from fp16_sdk.modelparallel.torch import gloo_exit
+
+    gloo_exit.drain_at_exit()
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
