@@ -59,7 +59,7 @@ from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.packaging import safe_extract
 
 __all__ = ["LocalDockerBackend", "DockerOptions", "OPTIONS", "LABEL_JOB",
-           "LABEL_HOST", "container_name", "network_name", "gpu_requests"]
+           "LABEL_HOST", "container_name", "network_name"]
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,6 @@ def _parse_size(value: Any) -> int:
         raise ConfigError(f"backend_options['shm_size']={value!r} must be a positive size such "
                           "as '2g', '512m' or a number of bytes", key="shm_size", value=value)
     return int(m.group(1)) * 1024 ** "bkmg".index((m.group(2) or "b").lower())
-
-
-def gpu_requests(instance_count: int, processes_per_host: int | None,
-                 gpu_total: int | None) -> list[Any]:
-    """One NVIDIA-runtime DeviceRequest per host (`local_docker_gpu.assign_gpus`'s split)."""
-    access = GpuAccess("nvidia-runtime", gpu_count=gpu_total)
-    return [access.edits(ids).device_requests[0]
-            for ids in assign_gpus(instance_count, processes_per_host, gpu_total)]
 
 
 def toolkit_grace_s(stop_timeout: int) -> float:

@@ -23,7 +23,7 @@ import pytest
 
 from fp16_sdk import image as images
 from fp16_sdk.backends.base import JobSpec, JobStatus
-from fp16_sdk.backends.local_docker import DockerOptions, LocalDockerBackend, gpu_requests
+from fp16_sdk.backends.local_docker import DockerOptions, LocalDockerBackend
 from fp16_sdk.backends.local_docker_gpu import GpuAccess, choose_gpu_access
 from fp16_sdk.backends.local_docker_job import LABEL_JOB
 from fp16_sdk.errors import (BackendError, ConfigError, DockerUnavailableError,
@@ -548,16 +548,3 @@ def test_backend_options_are_validated():
         with pytest.raises(ConfigError) as err:
             DockerOptions.parse(bad, instance_count=1, engine_memory=mem)
         assert err.value.key == key
-
-
-def test_gpu_requests_split_the_machine():  # the NVIDIA runtime's form of assign_gpus
-    one = gpu_requests(1, None, 8)
-    assert one[0]["Count"] == -1 and one[0]["Capabilities"] == [["gpu"]]
-    assert [r["DeviceIDs"] for r in gpu_requests(2, None, 8)] == \
-        [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
-    assert [r["DeviceIDs"] for r in gpu_requests(3, 2, None)] == [["0", "1"], ["2", "3"],
-                                                                  ["4", "5"]]
-    with pytest.raises(ConfigError, match=r"\(4\) x instance_count \(3\) = 12 GPUs"):
-        gpu_requests(3, 4, 8)
-    with pytest.raises(ConfigError, match="processes_per_host"):
-        gpu_requests(2, None, None)

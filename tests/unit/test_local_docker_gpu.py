@@ -56,8 +56,8 @@ def test_nvidia_runtime_wins_and_sends_device_requests(machine):
     assert access.method == "nvidia-runtime" and access.gpu_count == 2
     whole, = access.edits(None).device_requests
     assert whole["Count"] == -1 and whole["Capabilities"] == [["gpu"]]
-    part, = access.edits([1]).device_requests
-    assert part["DeviceIDs"] == ["1"] and part["Driver"] == ""
+    part, = access.edits([2, 3]).device_requests
+    assert part["DeviceIDs"] == ["2", "3"] and part["Driver"] == ""
 
 
 def test_cdi_spec_is_named_to_an_engine_that_applies_cdi(machine):
