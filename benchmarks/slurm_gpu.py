@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tarfile
@@ -36,6 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.gpu_docker import device_facts  # noqa: E402  (one description of the machine)
 
 SMP = {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 1, "microbatches": 1,
        "ddp": True, "fp16": True}
@@ -137,20 +138,6 @@ def summary(runs: dict, hps: dict, warmup: int) -> dict:
         result["ratio"] = (result["runs"]["slurm"]["tokens_per_s"]
                            / result["runs"]["local_process"]["tokens_per_s"])
     return result
-
-
-def device_facts() -> dict:
-    import torch
-
-    facts = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-             "torch": torch.__version__}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        facts.update(device=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1),
-                     cuda=torch.version.cuda)
-    else:
-        facts["device"] = "cpu"
-    return facts
 
 
 def main() -> None:
