@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.import_graph import cycles, import_graph
 from helpers.paths import REPO, TESTS
 
 SDK_MODULES = ["fp16_sdk.pytorch", "fp16_sdk.huggingface", "fp16_sdk.estimator",
@@ -156,124 +157,34 @@ def test_wrapping_a_plain_model_imports_no_hugging_face_model_code(transformers_
         assert modeling == [], modeling
 
 
-# ---- no import cycles inside fp16_sdk ----------------------------------------------------------
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+# ---- no import circles inside fp16_sdk ---------------------------------------------------------
+_PROBE = {  # a package whose every import form the graph must see
+    "__init__.py": "",
+    "a.py": "from . import b\n",
+    "b.py": "def f():\n    from .sub import c\n",
+    "sub/__init__.py": "",
+    "sub/c.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                 "    from ..a import x\nelse:\n    import pkg.sub.d\n"),
+    "sub/d.py": "import pkg.sub\n",
+}
 
 
-def _is_type_checking(test) -> bool:
-    import ast
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+def test_import_graph_sees_imports_in_functions_and_type_only_ones(tmp_path):
+    for rel, text in _PROBE.items():
+        (tmp_path / "pkg" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / rel).write_text(text)
+    graph = import_graph(tmp_path / "pkg")
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.sub.c"}
+    assert graph["pkg.sub.c"] == {"pkg.a", "pkg.sub.d"}
+    assert graph["pkg.sub.d"] == {"pkg.sub"}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
+    assert import_graph(tmp_path / "pkg", type_only=False)["pkg.sub.c"] == {"pkg.sub.d"}
+    assert cycles(import_graph(tmp_path / "pkg", type_only=False)) == []
 
 
-def _import_nodes(tree):
-    """Every import statement at any depth (inside functions and classes too), except the body
-    of an `if TYPE_CHECKING:` block: those imports never execute."""
-    import ast
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
-                todo.extend(child.orelse)
-                continue
-            if isinstance(child, (ast.Import, ast.ImportFrom)):
-                yield child
-            todo.append(child)
-
-
-def _import_graph() -> dict[str, set[str]]:
-    """fp16_sdk module -> the fp16_sdk modules it imports. Relative imports are resolved, and
-    `from pkg import name` points at the submodule `pkg.name` when there is one, else at `pkg`.
-    A package's parent packages, which Python also runs, are not counted: every submodule
-    would otherwise form a cycle with the package `__init__` that imports it."""
-    import ast
-    files = {_module_name(p): p for p in (REPO / "fp16_sdk").rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        targets: set[str] = set()
-        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    target = alias.name
-                    while target and target not in files:
-                        target = target.rpartition(".")[0]
-                    targets.add(target)
-                continue
-            if node.level:
-                base = package[:len(package) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            for alias in node.names:
-                sub = f"{module}.{alias.name}"
-                targets.add(sub if sub in files else module)
-        graph[name] = {t for t in targets if t in files and t != name}
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle (a -> ... -> a) through each strongly connected component of more than one
-    module (Tarjan), so a failure names a path to follow rather than a set."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    components: list[set[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while True:
-                w = stack.pop()
-                component.add(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                components.append(component)
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    cycles = []
-    for component in components:  # the shortest way back to its first module, breadth first
-        start = min(component)
-        parent: dict[str, str | None] = {start: None}
-        queue = [start]
-        for v in queue:
-            if start in graph[v]:
-                break
-            for w in sorted(graph[v] & component):
-                if w not in parent:
-                    parent[w] = v
-                    queue.append(w)
-        path: list[str] = []
-        while v is not None:
-            path.insert(0, v)
-            v = parent[v]
-        cycles.append(path + [start])
-    return cycles
-
-
-def test_import_graph_sees_imports_inside_functions():
-    graph = _import_graph()  # the probe works: relative imports, at the top and in a function
-    contexts = graph["fp16_sdk.modelparallel.torch.contexts"]
-    assert "fp16_sdk.modelparallel.torch.state" in contexts
-    assert "fp16_sdk.modelparallel.torch.activation_checkpointing" in contexts
-
-
-def test_fp16_sdk_has_no_import_cycles():
-    """No import cycle, counting imports inside functions (a cycle hidden in a function still
-    ties the two modules together; it only moves the failure to the first call)."""
-    cycles = _cycles(_import_graph())
-    assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+def test_fp16_sdk_has_no_import_circles_of_any_kind():
+    """No import circle, counting imports inside functions (a circle hidden in a function
+    still ties the two modules together; it only moves the failure to the first call) and
+    type-only imports under `if TYPE_CHECKING:` (they tie the modules for every reader)."""
+    found = cycles(import_graph())
+    assert found == [], "\n".join(" -> ".join(c) for c in found)
