@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a clone without installing
 
-from fp16_sdk.backends.local_common import local_path  # noqa: E402
+from fp16_sdk.backends.job_folder import local_path  # noqa: E402
 from fp16_sdk.packaging import safe_extract  # noqa: E402
 from fp16_sdk.pytorch import PyTorch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The SageMaker training-container contract, written once (standard library only).
 
-Both sides of the contract use this module: the backends write it (`local_common` lays out
+Both sides of the contract use this module: the backends write it (`job_folder` lays out
 /opt/ml on this machine, `ec2` uploads the same files for its instances) and the toolkit reads
 it (`toolkit.env`). Every handle's `describe()` builds its DescribeTrainingJob dict here.
 

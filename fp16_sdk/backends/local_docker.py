@@ -6,7 +6,7 @@ The job runs in the training image exactly as SageMaker runs it, driven through 
   container `<job>-algo-N`, hostname and network alias `algo-N`, so the toolkit finds the
   master host through DNS as on SageMaker; the rendezvous port lives inside that network, so
   no host port is published and two jobs never clash on a port;
-- each host's /opt/ml is `<output_path>/<job>/hosts/algo-N/` (laid out by `local_common`),
+- each host's /opt/ml is `<output_path>/<job>/hosts/algo-N/` (laid out by `job_folder`),
   bind-mounted; the job's sourcedir.tar.gz is safely extracted into each host's code/ and
   `sagemaker_submit_directory` is "/opt/ml/code", SageMaker's convention for code already in
   place (the toolkit then installs requirements.txt as usual); channels are mounted read-only
@@ -46,7 +46,7 @@ from typing import Any, Mapping
 
 from fp16_sdk import contract
 from fp16_sdk import image as images
-from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends.base import Backend, Channel, JobSpec, refuse_unknown_options
 from fp16_sdk.backends.local_docker_gpu import (GpuAccess, GpuEdits, assign_gpus,
                                                 choose_gpu_access)

@@ -8,7 +8,7 @@ job when the first container exits, whatever its status). When all have exited t
 collects every host's artifacts into the remote layout, then removes the containers, the
 network and the host trees, whatever happened; `stop()`, Ctrl-C in `wait()` and interpreter
 exit go through the same path. So does SIGTERM while `wait()` holds the main thread (as in
-local_process, `local_common.follow_or_stop`): the containers get SIGTERM and at most
+local_process, `job_folder.follow_or_stop`): the containers get SIGTERM and at most
 `ENDING_GRACE_S` before SIGKILL, every host's artifacts are collected, the job ends Stopped,
 everything is removed, and then this process ends by SIGTERM. When this process dies without
 that path (SIGKILL, SIGTERM outside `wait()`, a crash), the job's watchdog process
@@ -29,10 +29,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk import contract
-from fp16_sdk.backends import local_common as lc
-from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
-from fp16_sdk.backends.failures import origin_failure
+from fp16_sdk.backends import job_folder as lc
+from fp16_sdk.backends.base import JobSpec, JobStatus
 from fp16_sdk.backends.local_docker_reaper import sdk_label
 from fp16_sdk.errors import TrainingJobFailedError
 
@@ -63,29 +61,29 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-class DockerJob(JobHandle):
-    """The handle `LocalDockerBackend.submit` returns (also `estimator.latest_training_job`)."""
+class DockerJob(lc.FolderJob):
+    """The handle `LocalDockerBackend.submit` returns (also `estimator.latest_training_job`).
+
+    Its own: the containers, their log readers and supervisor, the network, the watchdog and
+    the ownership of what the containers wrote; the end of the job is `FolderJob`'s."""
+
+    ARTIFACTS_REQUIRED = True  # the containers wrote as root: a failed reclaim fails the job
 
     def __init__(self, *, client: Any, spec: JobSpec, image: str, trees: dict[str, lc.HostTree],
                  stop_timeout: int, keep_job_dir: bool, checkpoint_store: Path | None):
-        self.name = spec.job_name
-        self.spec, self.image, self.trees = spec, image, trees
+        super().__init__(spec, keep_job_dir=keep_job_dir)
+        self.image, self.trees = image, trees
         self.network: Any = None
         self.reaper: Any = None  # local_docker_reaper.Reaper, released once we cleaned up
         self.lifelines: Any = None  # local_lifeline.HostLifelines, closed with the reaper
         self._max_run_exceeded = False
         self.containers: dict[str, Any] = {}
-        self._client, self._stop_timeout, self._keep = client, stop_timeout, keep_job_dir
+        self._client, self._stop_timeout = client, stop_timeout
         self._store = checkpoint_store
-        self._log = lc.JobLog()
         self._exits: "queue.Queue[tuple[str, int | None, str]]" = queue.Queue()
-        self._done = threading.Event()
-        self._status = JobStatus.IN_PROGRESS
         self._stop_requested = False
-        self._failure: tuple[str, int | None, str] | None = None  # host, exit code, reason
-        self._model_data: str | None = None
+        self._failure: tuple[str, int | None, str] | None = None  # the first host that failed
         self._shown = 0
-        self._start_time = self._end_time = None
 
     # ---- starting ----------------------------------------------------------------------
 
@@ -101,7 +99,8 @@ class DockerJob(JobHandle):
         for host, container in self.containers.items():
             threading.Thread(target=self._read, args=(host, container), daemon=True,
                              name=f"{self.name}-{host}-logs").start()
-        threading.Thread(target=self._supervise, daemon=True, name=f"{self.name}-supervisor").start()
+        threading.Thread(target=self._supervise, daemon=True,
+                         name=f"{self.name}-supervisor").start()
 
     def discard(self) -> None:
         """Remove whatever was created (containers, network, host trees), started or not."""
@@ -160,51 +159,45 @@ class DockerJob(JobHandle):
                     log.warning("%s exited with %s: stopping the other hosts of %s",
                                 host, code, self.name)
                     self._stop_all(wait=False)
-            self._finish(exits)
         except Exception as exc:  # never leave the job hanging: report and clean up
             log.exception("supervising %s failed", self.name)
             self._failure = self._failure or ("", None, f"supervisor error: {exc}")
-            self._status = JobStatus.FAILED
-        finally:
-            try:
-                self._remove_engine_resources()
-                self._release_reaper()
-            finally:
-                self._end_time = self._end_time or _now()
-                self._done.set()
-                _LIVE.discard(self)
-                self._log.close()
-
-    def _finish(self, exits: dict[str, tuple[int | None, str]]) -> None:
-        """All hosts have exited: collect artifacts, settle the status, clean up."""
         self._end_time = _now()
-        try:
-            self._reclaim_ownership()
-            artifacts = lc.collect_artifacts(self.spec, self.trees.values())
-            if self._failure is not None:
-                self._failure = self._explain(*self._failure)
-                self._status = JobStatus.FAILED
-            elif self._stop_requested:
-                self._status = JobStatus.STOPPED
-            else:
-                self._status = JobStatus.COMPLETED
-                self._model_data = artifacts["model"].as_uri()
-        finally:
-            self._remove_engine_resources()
-            self._remove_folders()
+        if self._failure is not None:
+            self._end(JobStatus.FAILED, lambda: self._explain(*self._failure))
+        else:
+            self._end(JobStatus.STOPPED if self._stop_requested else JobStatus.COMPLETED)
 
-    def _explain(self, host: str, code: int | None, reason: str) -> tuple[str, int | None, str]:
+    def _prepare_collect(self) -> None:
+        self._reclaim_ownership()
+
+    def _clean_up(self, status: JobStatus) -> None:
+        """Containers, network, watchdog and (unless keep_job_dir) the host trees go,
+        whatever the status."""
+        try:
+            self._remove_engine_resources()
+            self._release_reaper()
+        finally:
+            self._remove_folders()
+            _LIVE.discard(self)
+
+    def _explain(self, host: str, code: int | None, reason: str) -> TrainingJobFailedError:
         """The failure where the error began (`origin_failure` over every host's failure
         file), else what the engine says about `host`, the first container that failed (its
         toolkit wrote no failure file: the container was killed or ran out of memory)."""
-        failures = {h: lc.host_failure(t) for h, t in self.trees.items()}
-        if failures.get(host) is not None:
-            origin = origin_failure(failures.values())
+        origin = self._origin(first_failed=host) if host else None
+        if origin is not None:
             same = origin.host == host and origin.exit_code is None
-            return origin.host, code if same else origin.exit_code, origin.reason
+            return TrainingJobFailedError(self.name, host=origin.host, reason=origin.reason,
+                                          exit_code=code if same else origin.exit_code)
         if not reason and code == 137:
             reason = _SIGKILL_REASON
-        return host, code, reason or f"the container exited with {code} and wrote no failure file"
+        return TrainingJobFailedError(
+            self.name, host=host or None, exit_code=code,
+            reason=reason or f"the container exited with {code} and wrote no failure file")
+
+    def _trees(self) -> list[lc.HostTree]:
+        return list(self.trees.values())
 
     # ---- stopping and cleaning ---------------------------------------------------------
 
@@ -264,28 +257,18 @@ class DockerJob(JobHandle):
     def _remove_folders(self) -> None:
         jd = lc.job_dir(self.spec)
         shutil.rmtree(jd / "shards", ignore_errors=True)
-        if not self._keep:
+        if not self._keep_job_dir:
             lc.remove_hosts(self.spec)
 
     # ---- JobHandle ---------------------------------------------------------------------
 
-    def wait(self, logs: bool | str = True) -> None:
-        """Block until the job ends, printing its logs unless `logs` is False/"None".
-
-        Raises:
-            TrainingJobFailedError: a host failed (host, exit code, failure text attached).
-            KeyboardInterrupt: after stopping the job and removing everything it created.
-
-        SIGTERM stops the job the same way (with at most `ENDING_GRACE_S` for the containers),
-        then ends this process as SIGTERM's default action does.
-        """
+    def _follow(self, *, show: bool) -> None:
+        """SIGTERM stops the job with at most `ENDING_GRACE_S` for the containers, then ends
+        this process as SIGTERM's default action does; a later wait() goes on where this
+        one stopped printing."""
         self._shown = lc.follow_or_stop(
-            self, lambda: self._log.follow(start=self._shown, show=logs not in (False, "None")),
+            self, lambda: self._log.follow(start=self._shown, show=show),
             stop=self.stop, ending=self._stop_ending)
-        if self._status == JobStatus.FAILED and self._failure is not None:
-            host, code, reason = self._failure
-            raise TrainingJobFailedError(self.name, host=host or None, exit_code=code,
-                                         reason=reason)
 
     def logs(self) -> None:
         """Print every log line so far, then follow until the job ends."""
@@ -306,37 +289,20 @@ class DockerJob(JobHandle):
         _parallel(lambda c: c.stop(timeout=grace), self.containers.values())
         self._done.wait()
 
-    def log_lines(self) -> list[str]:
-        return self._log.lines()
-
-    def log_records(self) -> list[tuple[float, str]]:
-        return self._log.records()
-
     @property
     def status(self) -> JobStatus:
         if self._stop_requested and not self._done.is_set():
             return JobStatus.STOPPING
         return self._status
 
-    @property
-    def model_data(self) -> str | None:
-        return self._model_data
-
-    def describe(self) -> dict:
-        """A DescribeTrainingJob-shaped dict of this job."""
-        spec = self.spec
-        failed = self._failure is not None and self._done.is_set()
-        return contract.describe_training_job(
-            name=self.name, status=self.status.value, hyperparameters=spec.hyperparameters,
-            image=self.image, input_mode=spec.input_mode, instance_type=spec.instance_type,
-            instance_count=spec.instance_count, volume_size=spec.volume_size,
-            output_path=spec.output_path, max_run=spec.max_run, environment=spec.environment,
-            start_time=self._start_time, end_time=self._end_time, model_data=self._model_data,
-            failure_reason=self._failure[2] if failed else None,
-            extra={"SecondaryStatus": "MaxRuntimeExceeded" if self._max_run_exceeded
-                   and self._done.is_set() else self.status.value},
+    def _describe_fields(self) -> dict:
+        spec, done = self.spec, self._done.is_set()
+        return dict(
+            image=self.image, metric_definitions=None, environment=spec.environment,
             final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
-                           if spec.metric_definitions else None))
+                           if spec.metric_definitions else None),
+            extra={"SecondaryStatus": "MaxRuntimeExceeded" if self._max_run_exceeded
+                   and done else self.status.value})
 
 
 def _parallel(fn, items, *, wait: bool = True, swallow: bool = True) -> None:

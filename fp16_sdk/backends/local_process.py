@@ -42,11 +42,9 @@ from typing import Any, Mapping
 
 import fp16_sdk
 from fp16_sdk import contract
-from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends import local_lifeline
-from fp16_sdk.backends.base import (Backend, JobHandle, JobSpec, JobStatus,
-                                    refuse_unknown_options)
-from fp16_sdk.backends.failures import origin_failure
+from fp16_sdk.backends.base import Backend, JobSpec, JobStatus, refuse_unknown_options
 from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, free_port, pids_with_token,
                                                   send_signal)
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
@@ -120,28 +118,23 @@ class LocalProcessBackend(Backend):
         return job
 
 
-class LocalProcessJob(JobHandle):
-    """A running or finished local_process job (see the module docstring)."""
+class LocalProcessJob(lc.FolderJob):
+    """A running or finished local_process job (see the module docstring).
+
+    Its own: the host processes, their readers and supervisor, the lifeline, the job token;
+    the end of the job is `FolderJob`'s."""
 
     def __init__(self, spec: JobSpec):
-        self.name = spec.job_name
-        self.spec = spec
-        self._token = uuid.uuid4().hex
         self.options = LocalProcessOptions.parse(spec.backend_options)
+        super().__init__(spec, keep_job_dir=self.options.keep_job_dir)
+        self._token = uuid.uuid4().hex
         self._grace = self.options.stop_grace_s
         self._procs: dict[str, subprocess.Popen] = {}
         self._lifeline: int | None = None  # the pipe's write end, open while the job runs
-        self._trees: list[lc.HostTree] = []
         self._readers: list[threading.Thread] = []
-        self._log = lc.JobLog()
-        self._status = JobStatus.IN_PROGRESS
         self._stop_requested = threading.Event()
         self._max_run_exceeded = False  # Stopped / MaxRuntimeExceeded, as SageMaker and Docker
-        self._done = threading.Event()
-        self._error: TrainingJobFailedError | None = None
         self._exit_codes: dict[str, int | None] = {}
-        self._artifacts: dict[str, Path] = {}
-        self._start_time = self._end_time = None
 
     # ---- starting ----------------------------------------------------------------------
 
@@ -164,8 +157,8 @@ class LocalProcessJob(JobHandle):
     def start(self) -> None:
         """Lay out every host's tree and start the hosts (called once, by submit)."""
         root = lc.job_dir(self.spec) / "hosts"
-        self._trees = [lc.lay_out_host(self.spec, h, root=root / h, network_interface_name="lo")
-                       for h in self.spec.hosts]
+        trees = [lc.lay_out_host(self.spec, h, root=root / h, network_interface_name="lo")
+                 for h in self.spec.hosts]
         port = free_port()
         self._start_time = dt.datetime.now(dt.timezone.utc)
         # Both ends are close-on-exec: no other child of this process inherits the write end
@@ -174,7 +167,7 @@ class LocalProcessJob(JobHandle):
         read_end, self._lifeline = os.pipe()
         local_lifeline.hold(self._lifeline)
         try:
-            for tree in self._trees:
+            for tree in trees:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "fp16_sdk.toolkit"], cwd=tree.root,
                     env=self._host_env(tree, port, read_end), stdin=subprocess.DEVNULL,
@@ -254,24 +247,18 @@ class LocalProcessJob(JobHandle):
         for reader in self._readers:
             reader.join(timeout=5.0)
         self._exit_codes = {h: p.returncode for h, p in self._procs.items()}
-        try:
-            self._artifacts = lc.collect_artifacts(self.spec, self._trees)
-        except OSError as exc:
-            log.warning("job %s: collecting artifacts failed: %s", self.name, exc)
         if self._stop_requested.is_set() or self._max_run_exceeded:
-            self._status = JobStatus.STOPPED
+            outcome = JobStatus.STOPPED
         elif failed_host is not None or reason is not None:
-            self._status = JobStatus.FAILED
-            self._error = self._failure(failed_host, reason)
+            outcome = JobStatus.FAILED
         else:
-            self._status = JobStatus.COMPLETED
-            if not self.options.keep_job_dir:
-                lc.remove_hosts(self.spec)
-        self._end_time = dt.datetime.now(dt.timezone.utc)
+            outcome = JobStatus.COMPLETED
+        self._end(outcome, lambda: self._failure(failed_host, reason))
+
+    def _clean_up(self, status: JobStatus) -> None:
+        super()._clean_up(status)
         self._note_escapes()
         _LIVE.discard(self)
-        self._done.set()
-        self._log.close()
 
     def _note_escapes(self) -> None:
         """Warn when files under this machine's own /opt/ml changed while the job ran (see
@@ -296,8 +283,7 @@ class LocalProcessJob(JobHandle):
         file); `host`, the first host seen failing, when its toolkit wrote none (it died)."""
         if host is None:
             return TrainingJobFailedError(self.name, reason=reason or "")
-        failures = {t.host: lc.host_failure(t) for t in self._trees}
-        origin = origin_failure(failures.values()) if failures[host] is not None else None
+        origin = self._origin(first_failed=host)
         if origin is not None:
             code = origin.exit_code  # the file's header; else what this backend saw
             return TrainingJobFailedError(
@@ -309,26 +295,7 @@ class LocalProcessJob(JobHandle):
             self.name, host=host, exit_code=code,
             reason="the toolkit wrote no failure file; last output:\n" + "\n".join(tail))
 
-    # ---- the JobHandle interface -------------------------------------------------------
-
-    def wait(self, logs: bool | str = True) -> None:
-        """Block until the job ends, printing its log lines unless logs is False/"None".
-
-        Ctrl-C stops the job (no process survives) and re-raises KeyboardInterrupt. SIGTERM
-        stops the job the same way, then ends this process as SIGTERM's default action does
-        (a second SIGTERM during the stop ends it at once; the lifelines finish the stop).
-
-        Raises:
-            TrainingJobFailedError: a host failed (host, exit code, failure-file text).
-        """
-        lc.follow_or_stop(self, lambda: self._log.follow(show=logs not in (False, "None")),
-                          stop=self.stop)
-        if self._error is not None:
-            raise self._error
-
-    def logs(self) -> None:
-        """Print every log line so far, then follow until the job ends."""
-        self._log.follow(show=True)
+    # ---- the JobHandle interface (the rest is FolderJob's) --------------------------------
 
     def stop(self) -> None:
         """Stop every host; returns once no process of the job is left."""
@@ -338,42 +305,16 @@ class LocalProcessJob(JobHandle):
         self._stop_requested.set()
         self._done.wait()
 
-    def log_lines(self) -> list[str]:
-        return self._log.lines()
-
-    def log_records(self) -> list[tuple[float, str]]:
-        return self._log.records()
-
-    @property
-    def status(self) -> JobStatus:
-        return self._status
-
     @property
     def exit_codes(self) -> dict[str, int | None]:
         """Each host's toolkit exit status (None while running)."""
         return {h: p.poll() for h, p in self._procs.items()}
 
-    @property
-    def model_data(self) -> str | None:
-        if self._status is not JobStatus.COMPLETED or "model" not in self._artifacts:
-            return None
-        return "file://" + str(self._artifacts["model"])
-
-    def describe(self) -> dict:
-        spec, done = self.spec, self._done.is_set()
-        return contract.describe_training_job(
-            name=self.name, status=self._status.value, hyperparameters=spec.hyperparameters,
-            image=spec.image_uri, input_mode=spec.input_mode,
-            metric_definitions=spec.metric_definitions, instance_type=spec.instance_type,
-            instance_count=spec.instance_count, volume_size=spec.volume_size,
-            output_path=spec.output_path, max_run=spec.max_run, start_time=self._start_time,
-            end_time=self._end_time if done else None, model_data=self.model_data,
-            failure_reason=self._error.reason if self._error is not None else None,
-            final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
-                           if done else None),
-            extra={"HostExitCodes": self.exit_codes,
-                   "SecondaryStatus": "MaxRuntimeExceeded" if self._max_run_exceeded and done
-                   else self._status.value})
+    def _describe_fields(self) -> dict:
+        done = self._done.is_set()
+        return {"extra": {"HostExitCodes": self.exit_codes,
+                          "SecondaryStatus": "MaxRuntimeExceeded"
+                          if self._max_run_exceeded and done else self._status.value}}
 
 
 SAGEMAKER_ROOT = Path("/opt/ml")

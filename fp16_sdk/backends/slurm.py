@@ -3,7 +3,7 @@
 `submit` checks everything it can before anything reaches Slurm (options, file:// locations on
 the shared filesystem, the stop grace against the cluster's KillWait), lays out each host's
 /opt/ml in the job folder `<output_path>/<job>/` exactly as the local modes do
-(`local_common.lay_out_host`), writes the batch and node scripts (`slurm_script`) and runs
+(`job_folder.lay_out_host`), writes the batch and node scripts (`slurm_script`) and runs
 `sbatch` through `submit_command`. A submission Slurm refuses leaves nothing behind (the job
 folder goes, the name is free again). The handle (`slurm_job.SlurmJob`) follows the job; the
 job itself belongs to Slurm and outlives this process. `attach` finds a job again by name from
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fp16_sdk import contract
-from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends import slurm_script as script
 from fp16_sdk.backends.base import SHARED_FILESYSTEM, Backend, Channel, JobSpec
 from fp16_sdk.backends.slurm_job import SlurmJob, read_record

@@ -5,16 +5,20 @@ SageMaker job does), and any process that sees the job folder can follow it agai
 (`SlurmBackend.attach`). Every handle of a job reads the same things: Slurm's record
 (`slurm_status`), the node logs (`slurm_logs`) and the host trees in the job folder.
 
-Slurm is looked at through the process's one `slurm_monitor.Monitor` (one squeue for all
-live jobs, backed off while nothing changes, at once when a host writes its end into the job
-folder). A failed look does not end `wait`: only Slurm not answering for `OUTAGE_S` does. A
-pending job says on the console why it waits and what to change (`slurm_pending`).
+The handle does not poll: the process's one watcher (`slurm_monitor`) reads its job folder
+every `READ_S` (node log lines into the handle's log, hosts' ends) and hands it Slurm's state
+from one squeue for all live jobs (backed off while nothing changes, at once when a host
+writes its end into the job folder); `wait()` blocks on the log. A failed look does not end
+`wait`: only Slurm not answering for `OUTAGE_S` does. A pending job says on the console why it
+waits and what to change (`slurm_pending`).
 
-When the job has ended, the first handle that sees it tars the hosts' model/ and output/data
-into `output/model.tar.gz` / `output.tar.gz` exactly as the local modes do; a failed job's
-error names the host where the failure began (`failures.origin_failure`: the earliest failure
-that is not a kill by a signal, so the healthy node that srun killed is not blamed); a TIMEOUT,
-or a chain of attempts that reached max_run, is `MaxRuntimeExceeded`, CANCELLED is Stopped.
+When the job has ended, `FolderJob._end` runs as for the local modes: the first handle that
+sees the end tars the hosts' model/ and output/data into `output/model.tar.gz` /
+`output.tar.gz`; a failed job's error names the host where the failure began
+(`failures.origin_failure`: the earliest failure that is not a kill by a signal, so the healthy
+node that srun killed is not blamed); a TIMEOUT, or a chain of attempts that reached max_run,
+is `MaxRuntimeExceeded`, CANCELLED is Stopped. The host trees stay: the job belongs to the
+cluster, and other processes may follow it.
 """
 
 from __future__ import annotations
@@ -27,10 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-from fp16_sdk import contract
-from fp16_sdk.backends import failures
-from fp16_sdk.backends import local_common as lc
-from fp16_sdk.backends.base import JobHandle, JobSpec, JobStatus
+from fp16_sdk.backends import job_folder as lc
+from fp16_sdk.backends.base import JobSpec, JobStatus
 from fp16_sdk.backends.slurm_logs import NodeLogs
 from fp16_sdk.backends.slurm_monitor import Monitor
 from fp16_sdk.backends.slurm_options import SlurmOptions
@@ -39,55 +41,53 @@ from fp16_sdk.backends.slurm_script import JobFiles
 from fp16_sdk.backends.slurm_status import MAX_RUNTIME_STATE, SlurmState, job_status
 from fp16_sdk.errors import BackendError, TrainingJobFailedError
 
-__all__ = ["SlurmJob", "READ_S", "OUTAGE_S", "STOP_TIMEOUT_S"]
+__all__ = ["SlurmJob", "OUTAGE_S", "STOP_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
-READ_S = 0.25  # seconds between two reads of the job folder (logs, hosts' ends) while following
 OUTAGE_S = 300.0  # how long `wait` goes on while Slurm does not answer
 _OUTAGE_WARN_S = 20.0  # ... and after how long it says so
 STOP_TIMEOUT_S = 180.0  # stop(): scancel, then Slurm's KillWait and the nodes' clean-up
 
 
-class SlurmJob(JobHandle):
+class SlurmJob(lc.FolderJob):
     """A submitted (or attached) Slurm job.
+
+    Its own: Slurm's record (through the monitor), the node logs, scancel, the pending hints
+    and the outage rule; the end of the job is `FolderJob`'s.
 
     Args:
         spec: the job (rebuilt from the job folder's record on attach).
         files: the job folder.
         job_id: Slurm's job id.
-        cli: the Slurm commands, through the job's submit_command.
+        monitor: the process's monitor of the job's submit_command (its Slurm commands).
         submitted: when the job was submitted (TrainingStartTime until Slurm starts it).
     """
 
     def __init__(self, spec: JobSpec, *, files: JobFiles, job_id: str, monitor: Monitor,
                  submitted: dt.datetime | None = None):
-        self.name = spec.job_name
-        self.spec = spec
+        super().__init__(spec)
         self.files = files
         self.job_id = job_id
         self.monitor = monitor
         self.cli = monitor.cli
         self._options = SlurmOptions.parse(spec.backend_options)
         self._node_logs = NodeLogs(files)
-        self._log = lc.JobLog()
         self._lock = threading.RLock()
         self._state: SlurmState | None = None
-        self._error: TrainingJobFailedError | None = None
-        self._final: JobStatus | None = None
+        self._ends = -1  # hosts that wrote their end, at the last tick
         self._following = False
         self._hinted: str | None = None  # the pending reason last said on the console
         self._logged: str | None = None  # ... and in the log
         self._start_time = submitted or dt.datetime.now(dt.timezone.utc)
-        self._end_time: dt.datetime | None = None
-        monitor.add(job_id, self._on_state)
+        monitor.add(job_id, self._on_state, self._tick)
 
     # ---- Slurm's record ----------------------------------------------------------------
 
     def _on_state(self, state: SlurmState | None) -> bool:
         """The monitor's news (None: Slurm forgot the job); whether anything changed."""
         with self._lock:
-            if self._final is not None:
+            if self._done.is_set():
                 return False
             new = state if state is not None else self._state_from_files()
             old, self._state = self._state, new
@@ -116,7 +116,7 @@ class SlurmJob(JobHandle):
             print(f"fp16_sdk: {line}", file=sys.stderr, flush=True)
 
     def _refresh(self, *, force: bool = False, wait_s: float | None = None) -> SlurmState:
-        if self._final is None and (force or self._state is None):
+        if not self._done.is_set() and (force or self._state is None):
             self.monitor.poke(wait_s=self.cli.timeout_s if wait_s is None else wait_s)
             if self._state is None:  # the monitor could not look: ask once, failing loudly
                 self._on_state(self.cli.state(self.job_id))
@@ -144,24 +144,23 @@ class SlurmJob(JobHandle):
     def _trees(self) -> list[lc.HostTree]:
         return [lc.HostTree(h, self.files.hosts / h) for h in self.spec.hosts]
 
+    def _tick(self) -> bool:
+        """The watcher's read of the job folder: new log lines; whether a host has ended."""
+        self._pump()
+        written = self._ends_written()
+        ended, self._ends = self._ends >= 0 and written != self._ends, written
+        return ended
+
     # ---- the end -----------------------------------------------------------------------
 
     def _finish(self) -> None:
-        """Read the last log lines, collect the artifacts and settle status and error."""
+        """Read the last log lines, then the shared end (artifacts, status, error)."""
         state = self._state
         self._pump(final=True)
-        status = job_status(state.state)
-        out = self.files.root / "output"
-        if not ((out / "model.tar.gz").exists() and (out / "output.tar.gz").exists()):
-            try:
-                lc.collect_artifacts(self.spec, self._trees())
-            except OSError as exc:
-                log.warning("job %s: collecting artifacts failed: %s", self.name, exc)
-        if status is JobStatus.FAILED:
-            self._error = self._failure(state)
-        self._end_time = dt.datetime.now(dt.timezone.utc)
-        self._final = status
-        self._log.close()
+        self._end(job_status(state.state), lambda: self._failure(state))
+
+    def _clean_up(self, status: JobStatus) -> None:
+        """Nothing: the job folder is the cluster's record, read by every follower."""
 
     def _failure(self, state: SlurmState) -> TrainingJobFailedError:
         attempt = self._options.attempt_time_s
@@ -182,9 +181,7 @@ class SlurmJob(JobHandle):
             return TrainingJobFailedError(
                 self.name, reason=f"MaxRuntimeExceeded: the job ran longer than max_run="
                 f"{self.spec.max_run}s (Slurm job {self.job_id} ended in TIMEOUT)")
-        origin = failures.origin_failure(
-            failures.read_host_failure(t.host, t.failure_file, root=t.root)
-            for t in self._trees())
+        origin = self._origin()
         if origin is not None:
             return TrainingJobFailedError(self.name, host=origin.host,
                                           exit_code=origin.exit_code, reason=origin.reason)
@@ -227,50 +224,25 @@ class SlurmJob(JobHandle):
         return warned
 
     def _follow(self, *, show: bool) -> None:
-        """Every line so far, then the new ones, until the job has ended."""
-        cursor, ends, warned = 0, -1, False
+        """Every line so far, then the new ones, until the job has ended (woken by the
+        watcher's reads and by the end); Ctrl-C leaves the job running on Slurm (as
+        SageMaker's wait does) and says how to stop it or follow it again."""
+        warned = False
+
+        def check() -> None:
+            nonlocal warned
+            warned = self._check_outage(warned)
         self._following = True
         try:
             self._hint(self._refresh())  # what the monitor saw before anyone followed
-            while True:
-                state = self._state
-                self._pump()
-                lines = self._log.lines()  # the monitor may have read some: print from the log
-                if show and len(lines) > cursor:
-                    sys.stdout.write("".join(line + "\n" for line in lines[cursor:]))
-                    sys.stdout.flush()
-                cursor = len(lines)
-                if state.ended:
-                    return
-                written = self._ends_written()
-                if written != ends:  # a host ended: Slurm's end follows within seconds
-                    if ends >= 0:
-                        self.monitor.poke()
-                    ends = written
-                warned = self._check_outage(warned)
-                time.sleep(READ_S)
+            self._log.follow(show=show, check=check)
+        except KeyboardInterrupt:
+            print(self.continue_hint(), file=sys.stderr)
+            raise
         finally:
             self._following = False
 
     # ---- the JobHandle interface -------------------------------------------------------
-
-    def wait(self, logs: bool | str = True) -> None:
-        """Follow the job until it ends, printing each node's lines ("algo-N | ...").
-
-        Ctrl-C leaves the job running on Slurm (as SageMaker's wait does) and says how to stop
-        it or follow it again; KeyboardInterrupt goes on.
-
-        Raises:
-            TrainingJobFailedError: the job failed (host where it began, exit code, message),
-                or ran past max_run ("MaxRuntimeExceeded").
-        """
-        try:
-            self._follow(show=logs not in (False, None, "None"))
-        except KeyboardInterrupt:
-            print(self.continue_hint(), file=sys.stderr)
-            raise
-        if self._error is not None:
-            raise self._error
 
     def continue_hint(self) -> str:
         """What to do about a job this process stops following."""
@@ -282,7 +254,8 @@ class SlurmJob(JobHandle):
                 f"output_path={self.spec.output_path!r}, submit_command={self.cli.prefix!r}))")
 
     def logs(self) -> None:
-        """Print every log line so far, then follow until the job ends."""
+        """Print every log line so far, then follow until the job ends (Ctrl-C: the job
+        goes on)."""
         self._follow(show=True)
 
     def stop(self, *, timeout_s: float = STOP_TIMEOUT_S) -> None:
@@ -295,27 +268,20 @@ class SlurmJob(JobHandle):
             BackendError: Slurm did not end the job within timeout_s (the last error said).
         """
         deadline = time.monotonic() + timeout_s
-        cancelled, last, ends = False, None, -1
-        while time.monotonic() < deadline:
+        last = None
+        while not self._done.is_set() and time.monotonic() < deadline:
             try:
-                if not cancelled:
-                    left = max(0.0, deadline - time.monotonic())
-                    if self._refresh(force=True, wait_s=left).ended:
-                        return
-                    self.cli.cancel(self.job_id)
-                    cancelled = True
-                    self.monitor.poke()  # then the monitor's back-off, not a look per loop
-                elif self._state is not None and self._state.ended:
+                left = max(0.0, deadline - time.monotonic())
+                if self._refresh(force=True, wait_s=left).ended:
                     return
-                written = self._ends_written()
-                if written != ends:  # a host's toolkit has stopped: Slurm's end follows
-                    if ends >= 0:
-                        self.monitor.poke()
-                    ends = written
+                self.cli.cancel(self.job_id)
+                self.monitor.poke()  # then the watcher: its back-off, and a look at each host's end
+                self._done.wait(max(0.0, deadline - time.monotonic()))
             except BackendError as exc:
                 last = exc
                 time.sleep(1.0)  # Slurm does not answer: ask again, not at once
-            time.sleep(READ_S)
+        if self._done.is_set():
+            return
         why = last or f"it was still {self._state.state if self._state else 'unknown'}"
         raise BackendError(f"Slurm job {self.job_id} did not end within {timeout_s:g} s of "
                            f"stop() ({why}); "
@@ -330,12 +296,6 @@ class SlurmJob(JobHandle):
         """How often Slurm requeued the job."""
         return self._refresh().restarts
 
-    @property
-    def model_data(self) -> str | None:
-        if self.status is not JobStatus.COMPLETED:
-            return None
-        return "file://" + str(self.files.root / "output" / "model.tar.gz")
-
     def log_lines(self) -> list[str]:
         self._refresh()
         self._pump()
@@ -346,23 +306,11 @@ class SlurmJob(JobHandle):
         self._pump()
         return self._log.records()
 
-    def describe(self) -> dict:
+    def _describe_fields(self) -> dict:
         state = self._refresh()
-        spec, done = self.spec, self._final is not None
-        return contract.describe_training_job(
-            name=self.name, status=job_status(state.state).value,
-            hyperparameters=spec.hyperparameters, image=spec.image_uri,
-            input_mode=spec.input_mode, metric_definitions=spec.metric_definitions,
-            instance_type=spec.instance_type, instance_count=spec.instance_count,
-            volume_size=spec.volume_size, output_path=spec.output_path, max_run=spec.max_run,
-            start_time=self._start_time, end_time=self._end_time, model_data=self.model_data,
-            failure_reason=self._error.reason if self._error is not None else None,
-            final_metrics=(lc.final_metrics(self.log_lines(), spec.metric_definitions)
-                           if done else None),
-            extra={"SlurmJobId": self.job_id, "SlurmJobState": state.state,
-                   "SlurmReason": state.reason,
-                   "SlurmRestartCount": state.restarts, "SlurmNodeList": state.nodes,
-                   "SlurmStateSource": state.source})
+        return {"extra": {"SlurmJobId": self.job_id, "SlurmJobState": state.state,
+                          "SlurmReason": state.reason, "SlurmRestartCount": state.restarts,
+                          "SlurmNodeList": state.nodes, "SlurmStateSource": state.source}}
 
 
 def _waits(state: SlurmState) -> bool:

@@ -326,8 +326,8 @@ def test_ctrl_c_leaves_no_process(job):
 
 
 def test_host_tree_config_files_and_sharding(tmp_path):
-    """local_common alone: the files SageMaker writes, and ShardedByS3Key dealing files out."""
-    from fp16_sdk.backends import local_common as lc
+    """job_folder alone: the files SageMaker writes, and ShardedByS3Key dealing files out."""
+    from fp16_sdk.backends import job_folder as lc
     from fp16_sdk.backends.base import Channel, JobSpec
 
     data = tmp_path / "data"
@@ -372,7 +372,7 @@ def test_host_tree_config_files_and_sharding(tmp_path):
 
 
 def _tree(tmp_path):
-    from fp16_sdk.backends import local_common as lc
+    from fp16_sdk.backends import job_folder as lc
     root = tmp_path / "algo-1"
     (root / "output").mkdir(parents=True)
     return lc, lc.HostTree(host="algo-1", root=root)

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from fp16_sdk.backends import local_common
+from fp16_sdk.backends import job_folder
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.metrics import (COLUMNS, MetricRecord, MetricsTable, TrainingJobAnalytics,
                               job_metrics, parse_metrics)
@@ -49,13 +49,13 @@ def test_records_in_log_order_hand_table():
         None, "train:loss", 5.5, "algo-1")
 
 
-def test_final_agrees_with_local_common_final_metrics():
+def test_final_agrees_with_job_folder_final_metrics():
     assert parse_metrics(LOG, DEFS).final() == [{"MetricName": "train:loss", "Value": 4.25},
                                                 {"MetricName": "train:loss_scale",
                                                  "Value": 32768.0}]
-    # local_common.final_metrics keeps NaN: compare on the lines it and we agree on.
+    # job_folder.final_metrics keeps NaN: compare on the lines it and we agree on.
     clean = [ln for ln in LOG if "nan" not in ln]
-    assert parse_metrics(clean, DEFS).final() == local_common.final_metrics(clean, DEFS)
+    assert parse_metrics(clean, DEFS).final() == job_folder.final_metrics(clean, DEFS)
 
 
 def test_anchored_regex_sees_the_message_without_host_prefix():

@@ -192,12 +192,17 @@ def _lines(log: Path) -> list[str]:
 def test_pending_jobs_say_why_and_are_polled_together(slurm_cluster, shared, capsys):
     """Two jobs whose max_run is above the one-minute partition's limit pend forever. Within
     10 s of fit() the console says why (squeue's PartitionTimeLimit) and what to change; over
-    the next 10 s, every Slurm command about them is one squeue naming both, backed off."""
+    the next 10 s, every Slurm command about them is one squeue naming both, backed off. A
+    third job pending behind another submit_command is watched by the same one thread of the
+    process (before issue 44 each submit_command had its own polling thread)."""
     log = shared / "commands.log"
     submit = ["bash", str(WRAPPER), str(log), "0", *slurm_cluster.docker_submit_command]
     ests = [_estimator(slurm_cluster, shared, "slurm_probe.py", submit=submit, max_run=3600,
                        options={"cpus_per_task": 1, "partition": "short"}) for _ in range(2)]
+    other = _estimator(slurm_cluster, shared, "slurm_probe.py", max_run=3600,
+                       options={"cpus_per_task": 1, "partition": "short"})
     ests[0].fit(wait=False)
+    other.fit(wait=False)
     started = time.monotonic()
     follower = threading.Thread(target=ests[1].fit, kwargs={"logs": False}, daemon=True)
     follower.start()
@@ -210,12 +215,15 @@ def test_pending_jobs_say_why_and_are_polled_together(slurm_cluster, shared, cap
     before = len(_lines(log))
     time.sleep(10)
     window = _lines(log)[before:]
+    watchers = [t.name for t in threading.enumerate() if t.name.startswith("fp16-slurm")
+                and t.name != "fp16-slurm-look"]
     try:
+        assert watchers == ["fp16-slurm-watcher"], watchers
         assert window and all(" squeue " in f" {c} " and ",".join(sorted(ids, key=int)) in c
                               for c in window), window
         assert len(window) <= 6, window  # 1 s after a change, then x1.5 per quiet look
     finally:
-        for est in ests:
+        for est in (*ests, other):
             est.latest_training_job.stop()
         follower.join(timeout=30)
     assert not follower.is_alive()

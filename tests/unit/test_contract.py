@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from fp16_sdk import contract
-from fp16_sdk.backends import local_common as lc
+from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends.base import Channel, JobSpec
 from fp16_sdk.backends.ec2 import host_configs
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env
@@ -70,7 +70,7 @@ def _check_read(config: JobConfig, submit_dir: str) -> None:
 
 
 def test_local_tree_round_trip(tmp_path):
-    """local_common writes a host's /opt/ml; the toolkit reads back what SageMaker writes."""
+    """job_folder writes a host's /opt/ml; the toolkit reads back what SageMaker writes."""
     data = tmp_path / "data"
     data.mkdir()
     spec = _spec(tmp_path, f"file://{data}")

@@ -145,20 +145,21 @@ def _victim_and_origin_texts():
 def test_local_docker_names_the_host_where_the_error_began(tmp_path):
     """DockerJob's failure choice on real host trees (the containers are not needed for it:
     `_explain` reads only the trees). The engine saw algo-1 exit first."""
-    from fp16_sdk.backends.local_common import HostTree
+    from fp16_sdk.backends.job_folder import HostTree
     from fp16_sdk.backends.local_docker_job import DockerJob
 
     job = object.__new__(DockerJob)
+    job.name = "j"
     job.trees = {h: HostTree(h, tmp_path / h) for h in ("algo-1", "algo-2")}
     for tree, text in zip(job.trees.values(), _victim_and_origin_texts()):
         tree.output.mkdir(parents=True)
         tree.failure_file.write_text(text)
-    host, code, reason = job._explain("algo-1", 143, "")
-    assert (host, code) == ("algo-2", 1) and "ValueError: origin" in reason
+    error = job._explain("algo-1", 143, "")
+    assert (error.host, error.exit_code) == ("algo-2", 1) and "ValueError: origin" in error.reason
     # The first container to fail wrote no failure file (killed, out of memory): it is named.
     (tmp_path / "algo-1" / "output" / "failure").unlink()
-    host, code, reason = job._explain("algo-1", 137, "")
-    assert (host, code) == ("algo-1", 137) and "SIGKILL" in reason
+    error = job._explain("algo-1", 137, "")
+    assert (error.host, error.exit_code) == ("algo-1", 137) and "SIGKILL" in error.reason
 
 
 def test_ec2_names_the_host_where_the_error_began():

@@ -1,45 +1,52 @@
-"""What every local backend does around the toolkit: host trees, artifacts, failure files.
+"""A job folder and the end of the jobs that live in one (local_process, local Docker, Slurm).
 
-A local job lives in `<output_path>/<job>/` (output_path is file://):
+Every backend whose hosts write to a folder this machine sees keeps a job in
+`<output_path>/<job>/` (output_path is file://; on Slurm it is on the shared filesystem):
 ```
 source/sourcedir.tar.gz        the code (built by the estimator)
 hosts/algo-N/                  host N's /opt/ml (SAGEMAKER_BASE_DIR for local_process;
-                               the Docker backend bind-mounts it)
+                               the Docker backend bind-mounts it; Slurm's node sets it)
 output/model.tar.gz            /opt/ml/model of every host, merged (the remote layout)
 output/output.tar.gz           /opt/ml/output/data of every host, merged
 ```
-Public API (small on purpose, shared by local_process and local Docker):
-`job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`, `host_failure`,
-`collect_artifacts`, `remove_hosts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`, `JobLog`, and
-`follow_or_stop` (what `wait()` does on Ctrl-C and SIGTERM, the same for both backends).
+The folder: `job_dir`, `local_path`, `lay_out_host` -> `HostTree`, `checkpoint_store`,
+`host_failure`, `collect_artifacts`, `remove_hosts`, `final_metrics`, `DEFAULT_OUTPUT_DIRNAME`.
+
+The end of a job, written once: `FolderJob`, the base of the three handles (`LocalProcessJob`,
+`DockerJob`, `SlurmJob`). A handle starts and watches what is its own (processes, containers,
+a Slurm job) and, once every host has ended, calls `FolderJob._end(outcome, failure)`: the
+hosts' artifacts are collected, the status and the error settled (the error names the host
+where the failure began, `failures.origin_failure`), the handle's own clean-up runs, the log
+is closed and waiters return. `wait()`, `logs()`, `describe()`, `model_data` and the log
+accessors are the base's; `follow_or_stop` is what a local `wait()` does on Ctrl-C and SIGTERM.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import datetime as dt
 import logging
 import os
 import shutil
 import signal
-import sys
 import tarfile
 import threading
-import time
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from fp16_sdk import contract
-from fp16_sdk.backends.base import Channel, JobSpec
-from fp16_sdk.backends.failures import FAILURE_FILE_LIMIT, HostFailure, read_host_failure
+from fp16_sdk.backends.base import Channel, JobHandle, JobSpec, JobStatus
+from fp16_sdk.backends.failures import (FAILURE_FILE_LIMIT, HostFailure, origin_failure,
+                                        read_host_failure)
+from fp16_sdk.backends.job_log import JobLog, Terminated, sigterm_raises
 from fp16_sdk.backends.placement import DEFAULT_OUTPUT_DIRNAME  # file://<cwd>/fp16_sdk_jobs
+from fp16_sdk.errors import TrainingJobFailedError
 
 __all__ = ["DEFAULT_OUTPUT_DIRNAME", "HostTree", "job_dir", "local_path", "lay_out_host",
-           "checkpoint_store", "host_failure", "FAILURE_FILE_LIMIT", "collect_artifacts", "remove_hosts",
-           "final_metrics", "JobLog", "Terminated", "sigterm_raises", "follow_or_stop"]
+           "checkpoint_store", "host_failure", "FAILURE_FILE_LIMIT", "collect_artifacts",
+           "remove_hosts", "final_metrics", "follow_or_stop", "FolderJob"]
 
 log = logging.getLogger(__name__)
-
 
 
 def local_path(uri: str) -> Path:
@@ -216,81 +223,6 @@ def final_metrics(lines: Iterable[str], metric_definitions) -> list[dict]:
     return parse_metrics(list(lines), metric_definitions).final()
 
 
-class JobLog:
-    """Every log line of a local job with its arrival time; followers wait on it.
-
-    Reader threads `add` lines; `close` marks the job's end so followers return.
-    """
-
-    def __init__(self) -> None:
-        self._lines: list[str] = []
-        self._times: list[float] = []
-        self._closed = False
-        self._cond = threading.Condition()
-
-    def add(self, line: str) -> None:
-        with self._cond:
-            self._lines.append(line)
-            self._times.append(time.time())
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def lines(self) -> list[str]:
-        with self._cond:
-            return list(self._lines)
-
-    def records(self) -> list[tuple[float, str]]:
-        with self._cond:
-            return list(zip(self._times, self._lines))
-
-    def follow(self, *, start: int = 0, show: bool = True) -> int:
-        """Print lines from `start` as they arrive until the log is closed; the end cursor."""
-        cursor = start
-        while True:
-            with self._cond:
-                while cursor == len(self._lines) and not self._closed:
-                    self._cond.wait(0.25)
-                new, cursor = self._lines[cursor:], len(self._lines)
-                finished = self._closed
-            if show and new:
-                sys.stdout.write("".join(line + "\n" for line in new))
-                sys.stdout.flush()
-            if finished and cursor == len(self._lines):
-                return cursor
-
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived while `wait()` had the main thread (see `sigterm_raises`)."""
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """Within the block, SIGTERM raises Terminated, so `wait()` can stop the job first.
-
-    Only on the main thread and only while SIGTERM has its default action: a handler of the
-    user's own is left alone (the job's lifelines or watchdog still end it if that handler
-    exits the process).
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-        yield
-        return
-
-    def raise_terminated(_signum, _frame):
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 _T = TypeVar("_T")
 
 
@@ -323,3 +255,161 @@ def follow_or_stop(job, follow: Callable[[], _T], *, stop: Callable[[], None],
                     job_dir(job.spec) / "output")
         os.kill(os.getpid(), signal.SIGTERM)  # the default action is back: we end here
         raise SystemExit(128 + signal.SIGTERM) from None  # not reached
+
+
+class FolderJob(JobHandle):
+    """A job whose hosts keep their /opt/ml trees in `<output_path>/<job>/hosts/`.
+
+    A subclass keeps what is its own: starting the hosts, watching them, stopping them, and
+    calls `_end` once when every host has ended. Hooks (small on purpose):
+      `_trees()` the hosts' trees; `_clean_up(status)` what goes at the end (default: the host
+      trees after a completed job, unless keep_job_dir); `_follow(show)` how `wait()` follows
+      (default: print the log, stopping the job on Ctrl-C or SIGTERM); `_describe_fields()`
+      the backend's own describe() keys.
+
+    Args:
+        spec: the job.
+        keep_job_dir: keep the host trees after a completed job.
+    """
+
+    ARTIFACTS_REQUIRED = False  # True: a failure to collect the artifacts fails the job
+
+    def __init__(self, spec: JobSpec, *, keep_job_dir: bool = False):
+        self.name = spec.job_name
+        self.spec = spec
+        self._keep_job_dir = keep_job_dir
+        self._log = JobLog()
+        self._status = JobStatus.IN_PROGRESS
+        self._error: TrainingJobFailedError | None = None
+        self._artifacts: dict[str, Path] = {}
+        self._done = threading.Event()
+        self._start_time: dt.datetime | None = None
+        self._end_time: dt.datetime | None = None
+
+    # ---- hooks -------------------------------------------------------------------------
+
+    def _trees(self) -> list[HostTree]:
+        """Every host's tree, in host order."""
+        root = job_dir(self.spec) / "hosts"
+        return [HostTree(h, root / h) for h in self.spec.hosts]
+
+    def _clean_up(self, status: JobStatus) -> None:
+        """What the job leaves behind (the base: the host trees go after a success)."""
+        if status is JobStatus.COMPLETED and not self._keep_job_dir:
+            remove_hosts(self.spec)
+
+    def _follow(self, *, show: bool) -> None:
+        """Block until the job ends, printing its lines; Ctrl-C and SIGTERM stop it first."""
+        follow_or_stop(self, lambda: self._log.follow(show=show), stop=self.stop)
+
+    def _describe_fields(self) -> dict[str, Any]:
+        """describe_training_job arguments of this backend's own (`extra` and overrides)."""
+        return {}
+
+    # ---- the end, written once ---------------------------------------------------------
+
+    def _end(self, outcome: JobStatus,
+             failure: Callable[[], TrainingJobFailedError] | None = None) -> None:
+        """Every host has ended: collect, settle status and error, clean up, wake waiters.
+
+        Args:
+            outcome: Completed, Stopped or Failed, as the handle saw its hosts end.
+            failure: explains a Failed outcome (called after the artifacts are collected).
+        """
+        try:
+            try:
+                self._collect()
+            except Exception as exc:
+                if self.ARTIFACTS_REQUIRED:  # a job whose outputs were not saved has not ended well
+                    raise
+                log.warning("job %s: collecting artifacts failed: %s", self.name, exc)
+            if outcome is JobStatus.FAILED and failure is not None:
+                self._error = failure()
+            self._status = outcome
+        except Exception as exc:  # never leave the job hanging: report it and clean up
+            log.exception("supervising %s failed", self.name)
+            self._error = self._error or TrainingJobFailedError(
+                self.name, reason=f"supervisor error: {exc}")
+            self._status = JobStatus.FAILED
+        finally:
+            try:
+                self._clean_up(self._status)
+            finally:
+                self._end_time = self._end_time or dt.datetime.now(dt.timezone.utc)
+                self._done.set()
+                self._log.close()
+
+    def _collect(self) -> None:
+        """Tar the hosts' model/ and output/data/, unless another follower of the job (a
+        second process attached to a Slurm job) already has."""
+        out = job_dir(self.spec) / "output"
+        found = {"model": out / "model.tar.gz", "output": out / "output.tar.gz"}
+        if all(p.exists() for p in found.values()):
+            self._artifacts = found
+            return
+        self._prepare_collect()
+        self._artifacts = collect_artifacts(self.spec, self._trees())
+
+    def _prepare_collect(self) -> None:
+        """Make the hosts' files readable before they are tarred (Docker: ownership)."""
+
+    def _origin(self, first_failed: str | None = None) -> HostFailure | None:
+        """Where the failure began: the earliest failure file that no kill explains.
+
+        With `first_failed` (the first host seen failing), only when that host wrote one:
+        a host that died without writing one is the explanation itself."""
+        found = {t.host: host_failure(t) for t in self._trees()}
+        if first_failed is not None and found.get(first_failed) is None:
+            return None
+        return origin_failure(found.values())
+
+    # ---- the JobHandle interface -------------------------------------------------------
+
+    def wait(self, logs: bool | str = True) -> None:
+        """Block until the job ends, printing its log lines unless logs is False/"None".
+
+        Raises:
+            TrainingJobFailedError: the job failed (the host where it began, exit code,
+                failure text).
+        """
+        self._follow(show=logs not in (False, None, "None"))
+        if self._error is not None:
+            raise self._error
+
+    def logs(self) -> None:
+        """Print every log line so far, then follow until the job ends."""
+        self._log.follow(show=True)
+
+    def log_lines(self) -> list[str]:
+        return self._log.lines()
+
+    def log_records(self) -> list[tuple[float, str]]:
+        return self._log.records()
+
+    @property
+    def status(self) -> JobStatus:
+        return self._status
+
+    @property
+    def model_data(self) -> str | None:
+        if self.status is not JobStatus.COMPLETED or "model" not in self._artifacts:
+            return None
+        return "file://" + str(self._artifacts["model"])
+
+    def describe(self) -> dict:
+        """A DescribeTrainingJob-shaped dict of this job."""
+        spec = self.spec
+        fields = dict(
+            hyperparameters=spec.hyperparameters, image=spec.image_uri,
+            input_mode=spec.input_mode, metric_definitions=spec.metric_definitions,
+            instance_type=spec.instance_type, instance_count=spec.instance_count,
+            volume_size=spec.volume_size, output_path=spec.output_path, max_run=spec.max_run,
+            start_time=self._start_time)
+        fields.update(self._describe_fields())
+        done = self._done.is_set()
+        fields.setdefault("final_metrics", final_metrics(self.log_lines(), spec.metric_definitions)
+                          if done else None)
+        return contract.describe_training_job(
+            name=self.name, status=self.status.value,
+            end_time=self._end_time if done else None, model_data=self.model_data,
+            failure_reason=self._error.reason if self._error is not None else None, **fields)
