@@ -29,7 +29,8 @@ from typing import Any
 
 from fp16_sdk import estimator_args, estimator_validation
 from fp16_sdk import estimator_job as job
-from fp16_sdk.backends.base import BackendEntry, JobHandle, backend_entry, backend_for
+from fp16_sdk.backends.base import (BackendEntry, JobHandle, backend_entry, backend_for,
+                                    policy)
 from fp16_sdk.backends.placement import Placement
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as _fail
@@ -301,7 +302,7 @@ class Estimator:
             builds its training definition from the same spec.
         """
         settings, entry = self._validate()
-        placement = entry.placement
+        placement = policy(entry)
         channels = job.channels(inputs, settings, placement)
         self._note_no_effect(settings, placement)
         output_path = placement.resolve_output_path(settings.output_path,

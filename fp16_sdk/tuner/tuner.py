@@ -20,7 +20,7 @@ import re
 import time
 from typing import Any
 
-from fp16_sdk.backends.base import backend_entry
+from fp16_sdk.backends.base import backend_entry, policy
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.tuner import records
 from fp16_sdk.tuner.analytics import HyperparameterTuningJobAnalytics
@@ -185,7 +185,7 @@ class HyperparameterTuner:
 
         est = self.estimator
         settings, entry = est._validate()
-        estimator_job.channels(inputs, settings, entry.placement)  # refuse bad inputs now
+        estimator_job.channels(inputs, settings, policy(entry))  # refuse bad inputs now
         tuning = LocalTuning(name, est, self._config, inputs=inputs)
         tuning.start(self._local_description())
         self.latest_tuning_job = tuning

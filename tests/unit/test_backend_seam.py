@@ -254,6 +254,11 @@ def test_s3_storage(tmp_path):
     assert S3_STORAGE.resolve_output_path(None) == ""
     with pytest.raises(ConfigError, match=r"file:// works only with instance_type "
                                           r"'local_process', 'local', 'local_gpu' or 'slurm'"):
+        base.policy(base.BACKENDS["sagemaker"]).check_location(
+            "output_path", "file:///tmp/o", instance_type="ml.c5.xlarge")
+    # The policy alone does not read the table (no import of it): its text stays general.
+    with pytest.raises(ConfigError, match=r"file:// works only with an instance_type that "
+                                          r"keeps files on this machine or a shared filesystem"):
         S3_STORAGE.check_location("output_path", "file:///tmp/o", instance_type="ml.c5.xlarge")
     folder = S3_STORAGE.claim("s3://b/", "j")
     try:
@@ -267,7 +272,8 @@ def test_file_types_in_messages_follow_the_table(monkeypatch):
     monkeypatch.setitem(base.BACKENDS, "cluster", BackendEntry(
         "cluster", "x:Y", placement=SHARED_FILESYSTEM, instance_types=("cluster",)))
     with pytest.raises(ConfigError, match="'local_gpu', 'slurm' or 'cluster'"):
-        S3_STORAGE.check_channel("train", "file:///data", instance_type="ml.c5.xlarge")
+        base.policy(base.BACKENDS["ec2"]).check_channel("train", "file:///data",
+                                                        instance_type="ml.c5.xlarge")
 
 
 def _spec(tmp_path: Path, **fields) -> JobSpec:
