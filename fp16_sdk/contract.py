@@ -37,7 +37,8 @@ __all__ = [
     "FAILURE_SIGNAL", "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "SIGNAL_AFTER_ERROR",
     "FailureHeader", "failure_header", "parse_failure_header", "Layout", "ChannelLike",
     "resource_config", "input_data_config",
-    "config_text", "config_files", "encode_hyperparameters", "code_uri", "sm_variable", "describe_training_job",
+    "config_text", "config_files", "encode_hyperparameters", "code_uri", "sm_variable",
+    "describe_training_job", "NETWORK_INTERFACE_VAR",
 ]
 
 # ---- the /opt/ml tree ---------------------------------------------------------------------
@@ -62,6 +63,9 @@ LIFELINE_FD_VAR = "FP16_SDK_LIFELINE_FD"        # a pipe's read end: EOF means t
 STOP_GRACE_VAR = "FP16_SDK_STOP_GRACE_S"        # seconds between SIGTERM and SIGKILL
 LIFELINE_PATH_VAR = "FP16_SDK_LIFELINE_PATH"    # a FIFO only the SDK writes: EOF, it died
 MAX_RUN_VAR = "FP16_SDK_MAX_RUN_S"              # the toolkit stops its tree after this long
+# This host's interface, found on the host itself (a Slurm node): it replaces
+# resourceconfig.json's network_interface_name in what the toolkit reads (NCCL_SOCKET_IFNAME).
+NETWORK_INTERFACE_VAR = "FP16_SDK_NETWORK_INTERFACE"
 
 # ---- hyperparameter names ------------------------------------------------------------------
 

@@ -52,11 +52,11 @@ from fp16_sdk.backends.placement import (LOCAL_FOLDERS, S3_STORAGE, SHARED_FILES
 from fp16_sdk.backends.request import Channel, JobSpec, Plan
 from fp16_sdk.errors import ConfigError
 
-__all__ = ["Channel", "JobSpec", "Plan", "JobStatus", "JobHandle", "Backend", "BackendEntry", "BACKENDS",
-           "backend_entry", "backend_for", "refuse_unknown_options", "LOCAL_TYPES",
-           "instance_types", "session_backends", "file_types", "policy", "Placement", "LocalFolders",
-           "SharedFilesystem", "S3Storage", "JobFolder", "LOCAL_FOLDERS", "SHARED_FILESYSTEM",
-           "S3_STORAGE"]
+__all__ = ["Channel", "JobSpec", "Plan", "JobStatus", "JobHandle", "Backend", "BackendEntry",
+           "BACKENDS", "backend_entry", "backend_for", "refuse_unknown_options", "LOCAL_TYPES",
+           "instance_types", "session_backends", "file_types", "policy", "Placement",
+           "LocalFolders", "SharedFilesystem", "S3Storage", "JobFolder", "LOCAL_FOLDERS",
+           "SHARED_FILESYSTEM", "S3_STORAGE"]
 
 
 class JobStatus(str, enum.Enum):
