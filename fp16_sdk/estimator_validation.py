@@ -76,11 +76,13 @@ def check_hyperparameter_limits(encoded: dict[str, str]) -> None:
                 f"{MAX_HP_VALUE}: pass it in a file in source_dir instead", key=key, value=value)
 
 
-def validate(settings: Settings) -> BackendEntry:
+def validate(settings: Settings) -> tuple[BackendEntry, Any]:
     """Every check on an estimator's arguments (the framework's own are the estimator's).
 
     Returns:
-        The row of the backend table the job goes to.
+        The row of the backend table the job goes to, and its backend's typed options
+        (`backend_options` parsed once by the backend's `parse_options`; the JobSpec
+        carries them).
 
     Raises:
         ConfigError: the first invalid argument (key, value and fix named).
@@ -90,7 +92,7 @@ def validate(settings: Settings) -> BackendEntry:
     _locations(settings, entry)
     _mappings(settings)
     _vpc_and_flags(settings)
-    return entry
+    return entry, _backend_options(settings, entry)
 
 
 def _resources(s: Settings) -> BackendEntry:
@@ -260,8 +262,10 @@ def _vpc_and_flags(s: Settings) -> None:
             raise fail(key, value, "must be True or False")
     check_spot_wait(use_spot_instances=s.use_spot_instances, max_wait=s.max_wait,
                     max_run=s.max_run)
+
+
+def _backend_options(s: Settings, entry: BackendEntry) -> Any:
     if not isinstance(s.backend_options, dict):
         raise fail("backend_options", s.backend_options, "must be a dict")
     # Each backend parses its own options; the class is imported here, before fit() starts.
-    backend_entry(s.job_instance_type, session=s.session).load().parse_options(
-        s.backend_options)
+    return entry.load().parse_options(s.backend_options)

@@ -21,14 +21,19 @@ Each row of `BACKENDS` (a `BackendEntry`) says:
 Each backend parses its own `backend_options` (`Backend.parse_options`): a key it does not know
 is an error naming the key, the value and the keys it does know.
 
-A new backend plugs in as one module and one row, with no estimator change:
+A backend splits `submit` in two (`backends.request`): `plan(spec) -> Plan` checks and
+decides everything without a side effect (the completed request, what will be created);
+`start(plan) -> JobHandle` is the one step that writes and starts. A new backend plugs in as
+one module and one row, with no estimator change:
 ```
 # fp16_sdk/backends/mine.py
 class MineBackend(Backend):
     NAME = "mine"
     OPTIONS = {"partition": "where the job runs"}
-    def submit(self, spec: JobSpec) -> JobHandle:
+    def plan(self, spec: JobSpec) -> Plan:
         SHARED_FILESYSTEM.check_request(spec)   # the placement's rules on a hand-built spec
+        return Plan(spec, self.options_of(spec), steps=(...))
+    def start(self, plan: Plan) -> JobHandle:
         ...                                      # <output_path>/<job>/ holds source/, hosts/
 # here, in BACKENDS:
 BackendEntry("mine", "fp16_sdk.backends.mine:MineBackend", placement=SHARED_FILESYSTEM,
@@ -43,7 +48,6 @@ import abc
 import dataclasses
 import enum
 import importlib
-from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 from fp16_sdk.backends.placement import (LOCAL_FOLDERS, S3_STORAGE, SHARED_FILESYSTEM,
@@ -164,12 +168,37 @@ class Backend(abc.ABC):
                           "attach to existing jobs; pass a Session (SageMaker) or an "
                           "EC2Session", key="sagemaker_session", value=self.NAME)
 
-    @abc.abstractmethod
-    def submit(self, spec: JobSpec) -> JobHandle:
-        """Validate backend-specific preconditions (engine up, image present...) and start the job.
+    def options_of(self, spec: JobSpec) -> Any:
+        """The request's typed options: parsed once by the estimator, or (a hand-built spec
+        without them) parsed here, once, from `backend_options`."""
+        return spec.options if spec.options is not None else self.parse_options(
+            spec.backend_options)
 
-        Everything that can be checked is checked before anything is started.
+    @abc.abstractmethod
+    def plan(self, spec: JobSpec) -> Plan:
+        """Check everything and decide everything for `spec`, with no side effect.
+
+        Returns:
+            The completed request (a new JobSpec: the backend's fields filled in), the typed
+            options and what `start` will create (folders, uploads, commands, the script
+            text, the API request).
+
+        Raises:
+            ConfigError, BackendError: a precondition failed (engine down, image missing,
+                a location it cannot use...); nothing was created.
         """
+
+    @abc.abstractmethod
+    def start(self, plan: Plan) -> JobHandle:
+        """The one step with side effects: write, upload and start what `plan` decided.
+
+        Raises:
+            BackendError: the engine, cluster or API refused; what was created is removed.
+        """
+
+    def submit(self, spec: JobSpec) -> JobHandle:
+        """`start(plan(spec))`: everything is checked before anything is started."""
+        return self.start(self.plan(spec))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,6 +71,7 @@ class JobSpec:
         code_uri: where sourcedir.tar.gz is read from (`sagemaker_submit_directory`), decided
             once by the placement (`contract.code_uri`); "" when only the remote backend can
             know it (no output bucket yet) or when a hand-built spec leaves it to the backend.
+        region: the AWS region (`sagemaker_region`); None on a hand-built spec.
         environment: extra environment variables for the training container.
         checkpoint_s3_uri / checkpoint_local_path: the checkpoint channel.
         processes_per_host: from the mpi block (None -> toolkit default: GPUs, else 1).
@@ -97,6 +98,7 @@ class JobSpec:
     channels: tuple[Channel, ...] = ()
     code_location: str | None = None
     code_uri: str = ""
+    region: str | None = None
     environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
     checkpoint_s3_uri: str | None = None
     checkpoint_local_path: str | None = None

@@ -184,7 +184,7 @@ class HyperparameterTuner:
         from fp16_sdk.tuner.local import LocalTuning
 
         est = self.estimator
-        settings, entry = est._validate()
+        settings, entry, _options = est._validate()
         estimator_job.channels(inputs, settings, policy(entry))  # refuse bad inputs now
         tuning = LocalTuning(name, est, self._config, inputs=inputs)
         tuning.start(self._local_description())

@@ -20,7 +20,7 @@ import pytest
 
 from fp16_sdk.backends import base
 from fp16_sdk.backends.base import (LOCAL_FOLDERS, S3_STORAGE, SHARED_FILESYSTEM, Backend,
-                                    BackendEntry, Channel, JobHandle, JobSpec, JobStatus,
+                                    BackendEntry, Channel, JobHandle, JobSpec, JobStatus, Plan,
                                     SharedFilesystem)
 from fp16_sdk.backends.rules import check_remote_request
 from fp16_sdk.errors import ConfigError
@@ -71,8 +71,12 @@ class RunHereBackend(Backend):
     NAME = "run_here"
     specs: list[JobSpec] = []
 
-    def submit(self, spec: JobSpec) -> JobHandle:
+    def plan(self, spec: JobSpec) -> Plan:
         SHARED_FILESYSTEM.check_request(spec)
+        return Plan(spec, self.options_of(spec), steps=("run the entry point here",))
+
+    def start(self, plan: Plan) -> JobHandle:
+        spec = plan.spec
         job = Path(spec.output_path[len("file://"):]) / spec.job_name
         code, model, out = job / "code", job / "model", job / "output"
         for folder in (code, model, out):
@@ -164,10 +168,13 @@ class UploadingBackend(Backend):
     NAME = "uploading"
     seen: list[tuple[JobSpec, bytes]] = []
 
-    def submit(self, spec: JobSpec) -> JobHandle:
+    def plan(self, spec: JobSpec) -> Plan:
         check_remote_request(spec, base.BACKENDS["uploading"])
-        UploadingBackend.seen.append((spec, spec.sourcedir.read_bytes()))
-        return _DoneJob(spec, Path("/nonexistent"))
+        return Plan(spec)
+
+    def start(self, plan: Plan) -> JobHandle:
+        UploadingBackend.seen.append((plan.spec, plan.spec.sourcedir.read_bytes()))
+        return _DoneJob(plan.spec, Path("/nonexistent"))
 
 
 def test_an_s3_row_packages_in_a_temporary_folder(workdir, monkeypatch):
