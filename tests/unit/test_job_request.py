@@ -102,3 +102,31 @@ def test_plan_writes_nothing_and_submit_is_start_of_plan(workdir, monkeypatch):
     assert isinstance(given, Plan) and given.spec == plan.spec
     assert json.loads(given.spec.hyperparameters["sagemaker_job_name"]) == "job-2"
     folder.release()
+
+
+def test_slurm_plans_channel_copies_and_start_makes_them(tmp_path):
+    """A channel outside the shared paths: plan names its copy in the job folder (the URI the
+    nodes read) and writes nothing; start's copy holds the same bytes."""
+    from fp16_sdk.backends import slurm_script
+    from fp16_sdk.backends.request import Channel
+    from fp16_sdk.backends.slurm import SlurmBackend
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("alpha")
+    (tmp_path / "one.csv").write_text("1,2")
+    jobs = tmp_path / "jobs"
+    spec = JobSpec(job_name="j", instance_type="slurm", instance_count=1, hyperparameters={},
+                   sourcedir=tmp_path / "s.tar.gz", entry_point="t.py",
+                   output_path=f"file://{jobs}",
+                   channels=(Channel("train", f"file://{tmp_path / 'data'}"),
+                             Channel("one", f"file://{tmp_path / 'one.csv'}"),
+                             Channel("here", f"file://{jobs}")))
+    files = slurm_script.JobFiles(jobs / "j")
+    staged, copies = SlurmBackend._staging(spec, files, (jobs,))
+    root = jobs / "j" / "channels"
+    assert [c.uri for c in staged] == [f"file://{root / 'train'}",
+                                       f"file://{root / 'one' / 'one.csv'}", f"file://{jobs}"]
+    assert set(copies) == {"train", "one"} and not root.exists()
+    SlurmBackend._copy_channels("j", copies)
+    assert (root / "train" / "a.txt").read_text() == "alpha"
+    assert (root / "one" / "one.csv").read_text() == "1,2"
