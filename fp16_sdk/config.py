@@ -10,12 +10,12 @@ by `pipeline_parallel_degree * tensor_parallel_degree`. That is exactly what smp
 such as pp=4 over 2 hosts of 2 processes with placement "spread". When `processes_per_host` is
 not given (one process per GPU, decided inside the container) the rule is checked by `smp.init()`.
 
-Size: over the 400-line guide because it is one table of every smp v1 key (one Field each).
+Size: over the 400-line guide because it is one table of every smp v1 key (one Field each);
+the wording of validation errors is `config_errors.py`'s.
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import json
 import warnings
@@ -25,6 +25,7 @@ from typing import Any, Literal, Mapping, Optional
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
                       model_validator)
 
+from .config_errors import schema_error
 from .errors import ConfigError
 
 __all__ = [
@@ -346,7 +347,7 @@ class DistributionConfig:
         try:
             raw = _Distribution.model_validate(dict(distribution or {}))
         except ValidationError as exc:
-            raise _config_error(exc, prefix="distribution") from None
+            raise schema_error(exc, prefix="distribution", root=_Distribution) from None
         cfg = cls(raw, instance_type)
         pph = cfg.mpi.processes_per_host if cfg.mpi else None
         if cfg.smp is not None and pph is not None:
@@ -408,53 +409,4 @@ def parse_mp_parameters(value: Mapping[str, Any] | str | None,
     try:
         return SMPParameters.model_validate(merged)
     except ValidationError as exc:
-        raise _config_error(exc, prefix=SMP_KEY) from None
-
-
-def _known_keys(model: type[BaseModel]) -> list[str]:
-    keys = []
-    for name, field in model.model_fields.items():
-        keys.append(name)
-        if field.alias:
-            keys.append(field.alias)
-    return keys
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model that owns the field at `loc` (for suggesting close key names)."""
-    model: Any = _Distribution
-    for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None:
-            return model if model is not _Distribution or len(loc) == 1 else None
-        ann = field.annotation
-        inner = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)
-                 and issubclass(a, BaseModel)]
-        if not inner:
-            return None
-        model = inner[0]
-    return model
-
-
-def _config_error(exc: ValidationError, *, prefix: str) -> ConfigError:
-    """Turn pydantic's error list into one ConfigError naming key, value and fix."""
-    lines, first_key, first_value = [], None, None
-    for err in exc.errors(include_url=False):
-        loc = tuple(err["loc"])
-        key = ".".join([prefix, *map(str, loc)]) if loc else prefix
-        value = err.get("input")
-        kind, msg = err["type"], err["msg"].removeprefix("Value error, ")
-        if kind == "extra_forbidden":
-            owner = SMPParameters if prefix == SMP_KEY else _model_at(loc)
-            known = _known_keys(owner) if owner else []
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-            line = f"{key}: unknown key (value {value!r}); {hint}"
-        elif not loc or isinstance(value, Mapping):
-            line = f"{key}: {msg}"  # a cross-field rule: the message names the keys
-        else:
-            line = f"{key}={value!r} is invalid: {msg}; fix the value of {loc[-1]!r}"
-        lines.append(line)
-        if first_key is None:
-            first_key, first_value = key, value
-    return ConfigError("; ".join(lines), key=first_key, value=first_value)
+        raise schema_error(exc, prefix=SMP_KEY, root=SMPParameters) from None

@@ -26,6 +26,8 @@ import signal as _signal
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
+from fp16_sdk.errors import ConfigError, config_error, shorten
+
 __all__ = [
     "BASE_DIR_VAR", "DEFAULT_BASE_DIR", "HYPERPARAMETERS_FILE", "RESOURCE_CONFIG_FILE",
     "INPUT_DATA_CONFIG_FILE", "CONFIG_FILES", "DEFAULT_GROUP", "DEFAULT_MASTER_PORT",
@@ -35,7 +37,8 @@ __all__ = [
     "FAILURE_SIGNAL", "SIGNAL_FROM_TOOLKIT", "SIGNAL_FROM_OUTSIDE", "SIGNAL_AFTER_ERROR",
     "FailureHeader", "failure_header", "parse_failure_header", "Layout", "ChannelLike",
     "resource_config", "input_data_config",
-    "config_text", "config_files", "code_uri", "sm_variable", "describe_training_job",
+    "config_text", "config_files", "encode_hyperparameters", "code_uri", "sm_variable",
+    "describe_training_job", "NETWORK_INTERFACE_VAR",
 ]
 
 # ---- the /opt/ml tree ---------------------------------------------------------------------
@@ -60,6 +63,9 @@ LIFELINE_FD_VAR = "FP16_SDK_LIFELINE_FD"        # a pipe's read end: EOF means t
 STOP_GRACE_VAR = "FP16_SDK_STOP_GRACE_S"        # seconds between SIGTERM and SIGKILL
 LIFELINE_PATH_VAR = "FP16_SDK_LIFELINE_PATH"    # a FIFO only the SDK writes: EOF, it died
 MAX_RUN_VAR = "FP16_SDK_MAX_RUN_S"              # the toolkit stops its tree after this long
+# This host's interface, found on the host itself (a Slurm node): it replaces
+# resourceconfig.json's network_interface_name in what the toolkit reads (NCCL_SOCKET_IFNAME).
+NETWORK_INTERFACE_VAR = "FP16_SDK_NETWORK_INTERFACE"
 
 # ---- hyperparameter names ------------------------------------------------------------------
 
@@ -161,6 +167,52 @@ def config_files(*, hyperparameters: Mapping[str, str], resource_config: Mapping
     return {HYPERPARAMETERS_FILE: config_text(dict(hyperparameters)),
             RESOURCE_CONFIG_FILE: config_text(dict(resource_config)),
             INPUT_DATA_CONFIG_FILE: config_text(dict(input_data_config))}
+
+
+# ---- hyperparameters ---------------------------------------------------------------------
+
+def _strings_in(value: Any):
+    """Every str inside a JSON-shaped value (dict keys included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings_in(k)
+            yield from _strings_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings_in(v)
+
+
+def encode_hyperparameters(raw: dict) -> dict[str, str]:
+    """SageMaker's encoding: every value JSON-encoded (`1` -> `"1"`, `"a"` -> `"\\"a\\""`).
+
+    The one place hyperparameters take their hyperparameters.json form: the estimator's
+    request and a backend completing `sagemaker_submit_directory` both use it.
+
+    Raises:
+        ConfigError: a key that is not a string, a value JSON cannot encode.
+    """
+    out = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not key:
+            raise config_error("hyperparameters", key, "keys must be non-empty strings")
+        # The container passes each one as `--key value` and SM_HP_<KEY>=value: an
+        # environment variable name cannot hold '=' and no argv/env string can hold NUL.
+        if "=" in key or "\x00" in key:
+            raise config_error("hyperparameters", key, "keys must not contain '=' or NUL (they "
+                               "become SM_HP_<KEY> environment variables); rename the key")
+        if any("\x00" in text for text in _strings_in(value)):
+            raise ConfigError(f"hyperparameters[{key!r}]={shorten(value)} contains a NUL "
+                              "character, which no command-line argument or environment "
+                              "variable can hold; remove it", key=key, value=value)
+        try:
+            out[key] = json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"hyperparameters[{key!r}]={value!r} cannot be JSON-encoded "
+                              f"({exc}); use numbers, strings, lists or dicts", key=key,
+                              value=value) from None
+    return out
 
 
 # ---- code ----------------------------------------------------------------------------------

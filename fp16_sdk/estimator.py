@@ -29,7 +29,8 @@ from typing import Any
 
 from fp16_sdk import estimator_args, estimator_validation
 from fp16_sdk import estimator_job as job
-from fp16_sdk.backends.base import BackendEntry, JobHandle, backend_entry, backend_for
+from fp16_sdk.backends.base import (BackendEntry, JobHandle, backend_entry, backend_for,
+                                    policy)
 from fp16_sdk.backends.placement import Placement
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as _fail
@@ -142,7 +143,7 @@ class Estimator:
         self.backend_options = {} if backend_options is None else backend_options
         self.latest_training_job: JobHandle | None = None
         self._current_job_name: str | None = None
-        self._reserved: dict[str, str] = {}  # sagemaker_* keys added by fit()
+        self._reserved: dict[str, Any] = {}  # sagemaker_* keys of the last fit(), typed
         self._validate()
 
     # ---- what subclasses provide -------------------------------------------------------
@@ -220,18 +221,22 @@ class Estimator:
         groups = self._sagemaker_args().group_totals()
         return groups if groups is not None else (self.instance_type, self.instance_count)
 
-    def _validate(self) -> tuple[Settings, BackendEntry]:
-        """Every check, in order; the arguments read once and the backend row they choose.
+    def _validate(self) -> tuple[Settings, BackendEntry, Any]:
+        """Every check, in order.
+
+        Returns:
+            The arguments read once, the backend row they choose, and that backend's typed
+            options (`backend_options` parsed by its `parse_options`).
 
         Raises:
             ConfigError: the first invalid argument (key, value and fix named).
         """
         self._sagemaker_options()
         settings = self._settings()
-        entry = estimator_validation.validate(settings)
+        entry, options = estimator_validation.validate(settings)
         self._validate_framework()
         check_hyperparameter_limits(self.hyperparameters())
-        return settings, entry
+        return settings, entry, options
 
     # ---- hyperparameters and naming ----------------------------------------------------
 
@@ -242,10 +247,13 @@ class Estimator:
             User hyperparameters, the framework's (distribution) keys and, after fit(), the
             sagemaker_* keys of the last job.
         """
-        encoded = encode_hyperparameters(self._hyperparameters)
-        encoded.update(encode_hyperparameters(self._framework_hyperparameters()))
-        encoded.update(self._reserved)
-        return encoded
+        return self._encoded(self._reserved)
+
+    def _encoded(self, reserved: dict[str, Any]) -> dict[str, str]:
+        """The user's, the framework's and the `reserved` (sagemaker_*) hyperparameters, raw
+        values in, encoded once into SageMaker's JSON-string form (`encode_hyperparameters`)."""
+        return encode_hyperparameters({**self._hyperparameters,
+                                       **self._framework_hyperparameters(), **reserved})
 
     def set_hyperparameters(self, **kwargs: Any) -> None:
         """Add or replace hyperparameters (SageMaker's method)."""
@@ -300,36 +308,33 @@ class Estimator:
             one after the backend has uploaded the package). The tuner's SageMaker path
             builds its training definition from the same spec.
         """
-        settings, entry = self._validate()
-        placement = entry.placement
+        settings, entry, options = self._validate()
+        placement = policy(entry)
         channels = job.channels(inputs, settings, placement)
         self._note_no_effect(settings, placement)
         output_path = placement.resolve_output_path(settings.output_path,
                                                     session=settings.session)
         name, folder = job.claim_name(placement, output_path, job_name,
                                       base=settings.base_job_name or self._default_base_name())
-        reserved = encode_hyperparameters({
-            "sagemaker_program": job.program(settings.entry_point, settings.source_dir),
-            "sagemaker_submit_directory": job.code_uri(name, output_path=output_path,
-                                                       code_location=settings.code_location),
-            "sagemaker_container_log_level": settings.container_log_level,
-            "sagemaker_job_name": name,
-            "sagemaker_region": self._region(),
-        })
-        hyperparameters = {**encode_hyperparameters(self._hyperparameters),
-                           **encode_hyperparameters(self._framework_hyperparameters()), **reserved}
+        request = job.Reserved(
+            program=job.program(settings.entry_point, settings.source_dir),
+            code_uri=job.code_uri(name, output_path=output_path,
+                                  code_location=settings.code_location),
+            container_log_level=settings.container_log_level, job_name=name,
+            region=self._region())
+        hyperparameters = self._encoded(request.hyperparameters())
         try:
             check_hyperparameter_limits(hyperparameters)
         except ConfigError:
             folder.release()  # a claimed folder is still empty: give the name back
             raise
         sourcedir = job.package(settings, folder)  # releases the folder on failure
-        spec = job.job_spec(settings, name=name, hyperparameters=hyperparameters,
+        spec = job.job_spec(settings, reserved=request, hyperparameters=hyperparameters,
                             sourcedir=sourcedir, channels=channels, output_path=output_path,
                             image_uri=self.training_image_uri(),
                             processes_per_host=self._processes_per_host(),
-                            sagemaker=self._sagemaker_options())
-        self._reserved, self._current_job_name = reserved, name
+                            sagemaker=self._sagemaker_options(), options=options)
+        self._reserved, self._current_job_name = request.hyperparameters(), name
         return settings, spec, folder
 
     def _note_no_effect(self, settings: Settings, placement: Placement) -> None:

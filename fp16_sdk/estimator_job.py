@@ -10,7 +10,7 @@ package (`package`), and the typed `JobSpec` a backend receives (`job_spec`).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import re
@@ -28,7 +28,7 @@ from fp16_sdk.inputs import TrainingInput, channels_from_inputs
 
 __all__ = ["sagemaker_timestamp", "name_from_base", "base_name_from_image", "claim_job_folder",
            "name_for", "claim_name", "code_uri", "channels", "no_effect_values", "package",
-           "program", "job_spec"]
+           "program", "Reserved", "job_spec"]
 
 logger = logging.getLogger("fp16_sdk.estimator")  # the notes keep the estimator's logger name
 _JOB_NAME = re.compile(JOB_NAME_PATTERN)  # fullmatch: `$` would also accept a trailing newline
@@ -132,15 +132,49 @@ def program(entry_point: Any, source_dir: Any) -> str:
     return ep.as_posix()
 
 
-def job_spec(s: Settings, *, name: str, hyperparameters: Mapping[str, str], sourcedir: Path,
-             channels: tuple[Channel, ...], output_path: str, image_uri: str | None,
-             processes_per_host: int | None,
-             sagemaker: estimator_args.SageMakerOptions) -> JobSpec:
-    """The request a backend receives: every field typed and checked."""
+@dataclasses.dataclass(frozen=True)
+class Reserved:
+    """The sagemaker_* hyperparameters fit() adds, typed: decided once, carried in the JobSpec
+    as fields (entry_point, code_uri, ...) and encoded with the user's keys in one place.
+
+    Attributes:
+        program: the entry point inside sourcedir.tar.gz (`sagemaker_program`).
+        code_uri: where the code is read from (`sagemaker_submit_directory`), the placement's
+            decision (`code_uri`); "" when only the remote backend can know it.
+        container_log_level, job_name, region: as their sagemaker_* keys.
+    """
+
+    program: str
+    code_uri: str
+    container_log_level: int
+    job_name: str
+    region: str
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The raw (not yet encoded) sagemaker_* keys, in SageMaker's order."""
+        return {"sagemaker_program": self.program,
+                "sagemaker_submit_directory": self.code_uri,
+                "sagemaker_container_log_level": self.container_log_level,
+                "sagemaker_job_name": self.job_name, "sagemaker_region": self.region}
+
+
+def job_spec(s: Settings, *, reserved: Reserved, hyperparameters: Mapping[str, str],
+             sourcedir: Path, channels: tuple[Channel, ...], output_path: str,
+             image_uri: str | None, processes_per_host: int | None,
+             sagemaker: estimator_args.SageMakerOptions, options: Any = None) -> JobSpec:
+    """The request a backend receives: every field typed and checked, built once.
+
+    Args:
+        s: the estimator's checked arguments.
+        reserved: the sagemaker_* values (typed fields of the request).
+        hyperparameters: every hyperparameter, already encoded once (`Estimator._encoded`).
+        options: the backend's typed options, parsed once at validation.
+    """
     return JobSpec(
-        job_name=name, instance_type=s.job_instance_type, instance_count=s.job_instance_count,
+        job_name=reserved.job_name, instance_type=s.job_instance_type,
+        instance_count=s.job_instance_count,
         hyperparameters=dict(hyperparameters), sourcedir=Path(sourcedir),
-        entry_point=json.loads(hyperparameters["sagemaker_program"]),
+        entry_point=reserved.program, code_uri=reserved.code_uri, region=reserved.region,
         output_path=output_path, image_uri=image_uri, channels=channels,
         code_location=s.code_location, environment=dict(s.environment),
         checkpoint_s3_uri=s.checkpoint_s3_uri,
@@ -154,4 +188,4 @@ def job_spec(s: Settings, *, name: str, hyperparameters: Mapping[str, str], sour
         metric_definitions=tuple(s.metric_definitions), role=s.role,
         keep_alive_period_in_seconds=s.keep_alive_period_in_seconds,
         container_log_level=s.container_log_level, sagemaker=sagemaker,
-        backend_options=dict(s.backend_options))
+        backend_options=dict(s.backend_options), options=options)

@@ -10,18 +10,17 @@ written once in `backends.rules` (the remote backends apply them to a JobSpec to
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from fp16_sdk.backends.base import (BackendEntry, backend_entry, instance_types,
+from fp16_sdk.backends.base import (BackendEntry, backend_entry, instance_types, policy,
                                     session_backends)
 from fp16_sdk.backends.rules import check_spot_wait, check_vpc_pair
+from fp16_sdk.contract import encode_hyperparameters  # re-exported: one encoding, in contract
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as fail
-from fp16_sdk.errors import shorten as _shorten
 from fp16_sdk.estimator_settings import Settings
 from fp16_sdk.git_source import check_git_config
 from fp16_sdk.inputs import INPUT_MODES
@@ -40,19 +39,6 @@ MAX_ENV, MAX_ENV_KEY, MAX_ENV_VALUE = 100, 512, 512
 MAX_METRICS, MAX_TAGS = 40, 50
 MAX_KEEP_ALIVE = 21600  # ResourceConfig.KeepAlivePeriodInSeconds
 MAX_RUN = 28 * 24 * 3600  # StoppingCondition.MaxRuntimeInSeconds: at most 28 days
-
-
-def _strings_in(value: Any):
-    """Every str inside a JSON-shaped value (dict keys included)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _strings_in(k)
-            yield from _strings_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _strings_in(v)
 
 
 def _check_int(key: str, value: Any, *, minimum: int, maximum: int | None = None,
@@ -74,34 +60,6 @@ def _check_str_list(key: str, value: Any) -> None:
         raise fail(key, value, "must be a non-empty list of strings (e.g. ['subnet-0abc'])")
 
 
-def encode_hyperparameters(raw: dict) -> dict[str, str]:
-    """SageMaker's encoding: every value JSON-encoded (`1` -> `"1"`, `"a"` -> `"\\"a\\""`).
-
-    Raises:
-        ConfigError: a key that is not a string, a value JSON cannot encode.
-    """
-    out = {}
-    for key, value in raw.items():
-        if not isinstance(key, str) or not key:
-            raise fail("hyperparameters", key, "keys must be non-empty strings")
-        # The container passes each one as `--key value` and SM_HP_<KEY>=value: an
-        # environment variable name cannot hold '=' and no argv/env string can hold NUL.
-        if "=" in key or "\x00" in key:
-            raise fail("hyperparameters", key, "keys must not contain '=' or NUL (they become "
-                       "SM_HP_<KEY> environment variables); rename the key")
-        if any("\x00" in text for text in _strings_in(value)):
-            raise ConfigError(f"hyperparameters[{key!r}]={_shorten(value)} contains a NUL "
-                              "character, which no command-line argument or environment "
-                              "variable can hold; remove it", key=key, value=value)
-        try:
-            out[key] = json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"hyperparameters[{key!r}]={value!r} cannot be JSON-encoded "
-                              f"({exc}); use numbers, strings, lists or dicts", key=key,
-                              value=value) from None
-    return out
-
-
 def check_hyperparameter_limits(encoded: dict[str, str]) -> None:
     """CreateTrainingJob's limits: <= 100 entries, key <= 256, encoded value <= 2500 chars."""
     if len(encoded) > MAX_HYPERPARAMETERS:
@@ -118,11 +76,13 @@ def check_hyperparameter_limits(encoded: dict[str, str]) -> None:
                 f"{MAX_HP_VALUE}: pass it in a file in source_dir instead", key=key, value=value)
 
 
-def validate(settings: Settings) -> BackendEntry:
+def validate(settings: Settings) -> tuple[BackendEntry, Any]:
     """Every check on an estimator's arguments (the framework's own are the estimator's).
 
     Returns:
-        The row of the backend table the job goes to.
+        The row of the backend table the job goes to, and its backend's typed options
+        (`backend_options` parsed once by the backend's `parse_options`; the JobSpec
+        carries them).
 
     Raises:
         ConfigError: the first invalid argument (key, value and fix named).
@@ -132,7 +92,7 @@ def validate(settings: Settings) -> BackendEntry:
     _locations(settings, entry)
     _mappings(settings)
     _vpc_and_flags(settings)
-    return entry
+    return entry, _backend_options(settings, entry)
 
 
 def _resources(s: Settings) -> BackendEntry:
@@ -179,7 +139,7 @@ def _limits(s: Settings, entry: BackendEntry) -> None:
                    "must be a logging level number such as logging.INFO (20)")
     if s.input_mode not in INPUT_MODES:
         raise fail("input_mode", s.input_mode, f"must be one of {', '.join(INPUT_MODES)}")
-    entry.placement.check_input_mode(s.input_mode, instance_type=s.job_instance_type)
+    policy(entry).check_input_mode(s.input_mode, instance_type=s.job_instance_type)
 
 
 def _code(s: Settings) -> None:
@@ -216,7 +176,7 @@ def _code(s: Settings) -> None:
 
 def _locations(s: Settings, entry: BackendEntry) -> None:
     for key in ("output_path", "code_location", "checkpoint_s3_uri", "model_uri"):
-        entry.placement.check_location(key, getattr(s, key), instance_type=s.job_instance_type)
+        policy(entry).check_location(key, getattr(s, key), instance_type=s.job_instance_type)
     if not isinstance(s.model_channel_name, str) or not s.model_channel_name:
         raise fail("model_channel_name", s.model_channel_name, "must be a channel name "
                    "such as 'model'")
@@ -302,8 +262,10 @@ def _vpc_and_flags(s: Settings) -> None:
             raise fail(key, value, "must be True or False")
     check_spot_wait(use_spot_instances=s.use_spot_instances, max_wait=s.max_wait,
                     max_run=s.max_run)
+
+
+def _backend_options(s: Settings, entry: BackendEntry) -> Any:
     if not isinstance(s.backend_options, dict):
         raise fail("backend_options", s.backend_options, "must be a dict")
     # Each backend parses its own options; the class is imported here, before fit() starts.
-    backend_entry(s.job_instance_type, session=s.session).load().parse_options(
-        s.backend_options)
+    return entry.load().parse_options(s.backend_options)

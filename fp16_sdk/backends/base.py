@@ -21,14 +21,19 @@ Each row of `BACKENDS` (a `BackendEntry`) says:
 Each backend parses its own `backend_options` (`Backend.parse_options`): a key it does not know
 is an error naming the key, the value and the keys it does know.
 
-A new backend plugs in as one module and one row, with no estimator change:
+A backend splits `submit` in two (`backends.request`): `plan(spec) -> Plan` checks and
+decides everything without a side effect (the completed request, what will be created);
+`start(plan) -> JobHandle` is the one step that writes and starts. A new backend plugs in as
+one module and one row, with no estimator change:
 ```
 # fp16_sdk/backends/mine.py
 class MineBackend(Backend):
     NAME = "mine"
     OPTIONS = {"partition": "where the job runs"}
-    def submit(self, spec: JobSpec) -> JobHandle:
+    def plan(self, spec: JobSpec) -> Plan:
         SHARED_FILESYSTEM.check_request(spec)   # the placement's rules on a hand-built spec
+        return Plan(spec, self.options_of(spec), steps=(...))
+    def start(self, plan: Plan) -> JobHandle:
         ...                                      # <output_path>/<job>/ holds source/, hosts/
 # here, in BACKENDS:
 BackendEntry("mine", "fp16_sdk.backends.mine:MineBackend", placement=SHARED_FILESYSTEM,
@@ -43,109 +48,19 @@ import abc
 import dataclasses
 import enum
 import importlib
-from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
 from fp16_sdk.backends.placement import (LOCAL_FOLDERS, S3_STORAGE, SHARED_FILESYSTEM,
                                          JobFolder, LocalFolders, Placement, S3Storage,
-                                         SharedFilesystem, use_backend_table)
+                                         SharedFilesystem)
+from fp16_sdk.backends.request import Channel, JobSpec, Plan
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.estimator_args import SageMakerOptions
 
-__all__ = ["Channel", "JobSpec", "JobStatus", "JobHandle", "Backend", "BackendEntry", "BACKENDS",
-           "backend_entry", "backend_for", "refuse_unknown_options", "LOCAL_TYPES",
-           "instance_types", "session_backends", "Placement", "LocalFolders",
-           "SharedFilesystem", "S3Storage", "JobFolder", "LOCAL_FOLDERS", "SHARED_FILESYSTEM",
-           "S3_STORAGE"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Channel:
-    """One input channel. `uri` is file:// (local modes) or s3://."""
-
-    name: str
-    uri: str
-    distribution: str = "FullyReplicated"  # S3DataDistributionType
-    content_type: str | None = None
-    compression: str | None = None
-    record_wrapping: str | None = None
-    s3_data_type: str = "S3Prefix"
-    input_mode: str | None = None
-
-    @property
-    def local_path(self) -> Path:
-        """The folder or file of a file:// channel."""
-        assert self.uri.startswith("file://"), self.uri
-        return Path(self.uri[len("file://"):])
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """The request a backend receives: one validated training job, independent of where it runs.
-
-    The estimator resolves its arguments into this once per fit() (`estimator_job.job_spec`);
-    the locations in it already obey the chosen row's placement policy (a backend's `submit()`
-    rechecks a hand-built spec with `placement.check_request`). Folder placements have claimed
-    `<output_path>/<job_name>/` and built the code in its `source/`.
-
-    Attributes:
-        job_name: SageMaker-valid job name.
-        image_uri: the training image (may be None for local_process, which runs the toolkit here).
-        instance_type / instance_count: as the user gave them.
-        hyperparameters: the final {name: JSON-encoded string} dict, sagemaker_* keys included.
-        sourcedir: path of the reproducible sourcedir.tar.gz built for this job (in the job
-            folder, or in a temporary folder removed after submit() for S3_STORAGE).
-        entry_point: the entry script's name inside the sourcedir.
-        channels: input channels.
-        output_path: the placement's scheme (file:// or s3://); artifacts go to
-            <output_path>/<job>/output/ ("" for S3_STORAGE without a session bucket yet).
-        code_location: s3:// prefix for the sourcedir (remote); None -> derived from output_path.
-        environment: extra environment variables for the training container.
-        checkpoint_s3_uri / checkpoint_local_path: the checkpoint channel.
-        processes_per_host: from the mpi block (None -> toolkit default: GPUs, else 1).
-        volume_size, max_run, max_wait, use_spot_instances, input_mode, tags, subnets,
-        security_group_ids, enable_network_isolation, metric_definitions, role,
-        keep_alive_period_in_seconds, container_log_level: as in SageMaker's estimator.
-        sagemaker: the SageMaker-only request pieces (Debugger, Profiler, KMS, retries...),
-            already validated; other backends ignore them (the estimator notes that once).
-        backend_options: backend-specific knobs, already checked by the chosen backend's
-            `parse_options` (e.g. {"shm_size": "2g"} for local Docker); the backend parses
-            them again into its typed options at submit.
-    """
-
-    job_name: str
-    instance_type: str
-    instance_count: int
-    hyperparameters: Mapping[str, str]
-    sourcedir: Path
-    entry_point: str
-    output_path: str
-    image_uri: str | None = None
-    channels: tuple[Channel, ...] = ()
-    code_location: str | None = None
-    environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    checkpoint_s3_uri: str | None = None
-    checkpoint_local_path: str | None = None
-    processes_per_host: int | None = None
-    volume_size: int = 30
-    max_run: int = 86400
-    max_wait: int | None = None
-    use_spot_instances: bool = False
-    input_mode: str = "File"
-    tags: tuple[Mapping[str, str], ...] = ()
-    subnets: tuple[str, ...] | None = None
-    security_group_ids: tuple[str, ...] | None = None
-    enable_network_isolation: bool = False
-    metric_definitions: tuple[Mapping[str, str], ...] = ()
-    role: str | None = None
-    keep_alive_period_in_seconds: int | None = None
-    container_log_level: int = 20
-    sagemaker: SageMakerOptions = dataclasses.field(default_factory=SageMakerOptions)
-    backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def hosts(self) -> list[str]:
-        return [f"algo-{i}" for i in range(1, self.instance_count + 1)]
+__all__ = ["Channel", "JobSpec", "Plan", "JobStatus", "JobHandle", "Backend", "BackendEntry",
+           "BACKENDS", "backend_entry", "backend_for", "refuse_unknown_options", "LOCAL_TYPES",
+           "instance_types", "session_backends", "file_types", "policy", "Placement",
+           "LocalFolders", "SharedFilesystem", "S3Storage", "JobFolder", "LOCAL_FOLDERS",
+           "SHARED_FILESYSTEM", "S3_STORAGE"]
 
 
 class JobStatus(str, enum.Enum):
@@ -253,12 +168,37 @@ class Backend(abc.ABC):
                           "attach to existing jobs; pass a Session (SageMaker) or an "
                           "EC2Session", key="sagemaker_session", value=self.NAME)
 
-    @abc.abstractmethod
-    def submit(self, spec: JobSpec) -> JobHandle:
-        """Validate backend-specific preconditions (engine up, image present...) and start the job.
+    def options_of(self, spec: JobSpec) -> Any:
+        """The request's typed options: parsed once by the estimator, or (a hand-built spec
+        without them) parsed here, once, from `backend_options`."""
+        return spec.options if spec.options is not None else self.parse_options(
+            spec.backend_options)
 
-        Everything that can be checked is checked before anything is started.
+    @abc.abstractmethod
+    def plan(self, spec: JobSpec) -> Plan:
+        """Check everything and decide everything for `spec`, with no side effect.
+
+        Returns:
+            The completed request (a new JobSpec: the backend's fields filled in), the typed
+            options and what `start` will create (folders, uploads, commands, the script
+            text, the API request).
+
+        Raises:
+            ConfigError, BackendError: a precondition failed (engine down, image missing,
+                a location it cannot use...); nothing was created.
         """
+
+    @abc.abstractmethod
+    def start(self, plan: Plan) -> JobHandle:
+        """The one step with side effects: write, upload and start what `plan` decided.
+
+        Raises:
+            BackendError: the engine, cluster or API refused; what was created is removed.
+        """
+
+    def submit(self, spec: JobSpec) -> JobHandle:
+        """`start(plan(spec))`: everything is checked before anything is started."""
+        return self.start(self.plan(spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +239,6 @@ BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
     BackendEntry("slurm", "fp16_sdk.backends.slurm:SlurmBackend", placement=SHARED_FILESYSTEM,
                  instance_types=("slurm",)),
 )}
-use_backend_table(BACKENDS)  # placement's errors name the file:// rows' instance types
 # The types whose jobs stay on this machine, as the table stands at import.
 LOCAL_TYPES = tuple(t for e in BACKENDS.values() if isinstance(e.placement, LocalFolders)
                     for t in e.instance_types)
@@ -308,6 +247,19 @@ LOCAL_TYPES = tuple(t for e in BACKENDS.values() if isinstance(e.placement, Loca
 def instance_types() -> tuple[str, ...]:
     """Every instance type a row of the table names, in table order (read at each call)."""
     return tuple(t for e in BACKENDS.values() for t in e.instance_types)
+
+
+def file_types() -> tuple[str, ...]:
+    """The instance types of the rows whose placement keeps files on file:// storage (read
+    at each call: rows added later count), for the placement's error text."""
+    return tuple(t for e in BACKENDS.values() if e.placement.scheme == "file://"
+                 for t in e.instance_types)
+
+
+def policy(entry: BackendEntry) -> Placement:
+    """The row's placement policy, told the table's file:// instance types for its errors
+    (the policy itself never reads the table: `Placement.naming`)."""
+    return entry.placement.naming(file_types())
 
 
 def session_backends() -> tuple[str, ...]:

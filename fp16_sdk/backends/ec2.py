@@ -1,9 +1,9 @@
 """Training jobs on plain EC2 instances: same image, same /opt/ml contract, no SageMaker.
 
 Selected by passing `fp16_sdk.session.EC2Session(...)` as the estimator's `sagemaker_session`.
-`submit` writes everything an instance needs under `<job root>/ec2/` in S3 (the job root is
-where the code goes: `s3://<bucket>/<code_location prefix>/<job>/`), launches one instance per
-host with `RunInstances` (user data rendered from `ec2_userdata.sh`), then publishes the hosts'
+`plan` decides everything an instance needs under `<job root>/ec2/` in S3 (the job root is
+where the code goes: `s3://<bucket>/<code_location prefix>/<job>/`); `start` writes it,
+launches one instance per host with `RunInstances` (user data rendered from `ec2_userdata.sh`), then publishes the hosts'
 private addresses (`hosts.json`). The handle waits on `ec2/status/<host>.json`, streams
 `ec2/logs/<host>.log`, and terminates every instance on stop(), failure or timeout.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import importlib.resources
-import dataclasses
 import json
 import os
 import re
@@ -29,7 +28,7 @@ from .. import contract
 from ..errors import BackendError, ConfigError
 from ..extraction import relative_parts
 from ..session import EC2Session, parse_s3_uri
-from .base import BACKENDS, Backend, JobSpec, refuse_unknown_options
+from .base import BACKENDS, Backend, JobSpec, Plan, refuse_unknown_options
 from .ec2_job import EC2Job
 from .rules import check_remote_request
 from .sagemaker import code_uri
@@ -51,11 +50,16 @@ def render_user_data(settings: dict[str, str]) -> str:
     return template.replace(_SETTINGS_LINE, "\n".join(lines), 1)
 
 
-def host_configs(spec: JobSpec, *, submit_uri: str, region: str) -> dict[str, dict[str, str]]:
-    """Per host: the /opt/ml/input/config files, as the text SageMaker would write."""
-    hyperparameters = dict(spec.hyperparameters)
-    hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
-    hyperparameters.setdefault("sagemaker_region", json.dumps(region))
+def host_configs(spec: JobSpec, *, region: str,
+                 submit_uri: str | None = None) -> dict[str, dict[str, str]]:
+    """Per host: the /opt/ml/input/config files, as the text SageMaker would write (pure).
+
+    `submit_uri`: the code's URI when `spec` does not carry it yet; `region` completes a
+    request whose hyperparameters have no sagemaker_region (a hand-built spec)."""
+    if submit_uri is not None:
+        spec = spec.with_code_uri(submit_uri)
+    hyperparameters = {**contract.encode_hyperparameters({"sagemaker_region": region}),
+                       **spec.hyperparameters}
     channels = contract.input_data_config(spec.channels, input_mode=spec.input_mode)
     return {host: contract.config_files(
         hyperparameters=hyperparameters, input_data_config=channels,
@@ -155,33 +159,49 @@ class EC2Backend(Backend):
                               f"{', '.join(cls._PULL_POLICIES)}", key="pull_policy", value=policy)
         return policy
 
-    def submit(self, spec: JobSpec) -> EC2Job:
-        """Write the job's files to S3, launch the instances, publish their addresses.
+    def plan(self, spec: JobSpec) -> Plan:
+        """The checks, the completed request (image, code URI) and every file the instances
+        read (per host: config files, env.tsv, manifest.tsv); nothing is uploaded or launched.
 
         Raises:
             ConfigError: a setting EC2 cannot honour, or an input the instances cannot read.
-            BackendError: EC2 refused to launch (instances already started are terminated).
         """
-        settings = self.session.ec2
-        image = spec.image_uri or settings.image_uri
-        spec = _with_image(spec, image)
+        spec = spec.completed(image_uri=spec.image_uri or self.session.ec2.image_uri)
         check_remote_request(spec, BACKENDS["ec2"])
         _check_ec2_spec(spec)
-        self.parse_options(spec.backend_options)
+        options = self.options_of(spec)
         region = self.session.boto_region_name
-        submit_uri = code_uri(spec, self.session)
-        job_uri = submit_uri.rsplit("/source/", 1)[0]
+        spec = spec.with_code_uri(code_uri(spec, self.session))
+        job_uri = spec.code_uri.rsplit("/source/", 1)[0]
         output_root = (spec.output_path if spec.output_path and spec.output_path.startswith("s3://")
                        else f"s3://{self.session.default_bucket()}/")
-        output_uri = f"{output_root.rstrip('/')}/{spec.job_name}"
         manifests = channel_manifest(spec, self.session.client("s3"))
-        self.session.upload_file(spec.sourcedir, submit_uri)
         env = env_table(spec)
-        for host, files in host_configs(spec, submit_uri=submit_uri, region=region).items():
-            files = {**files, "env.tsv": env, "manifest.tsv": manifests[host]}
-            for name, text in files.items():
-                self.session.upload_bytes(text.encode(), f"{job_uri}/ec2/config/{host}/{name}")
-        instances = self._launch_all(spec, job_uri=job_uri, output_uri=output_uri, region=region)
+        uploads = {f"{job_uri}/ec2/config/{host}/{name}": text
+                   for host, files in host_configs(spec, region=region).items()
+                   for name, text in {**files, "env.tsv": env,
+                                      "manifest.tsv": manifests[host]}.items()}
+        return Plan(spec, options, steps=(
+            f"upload {spec.sourcedir} to {spec.code_uri}",
+            *(f"upload {uri}" for uri in uploads),
+            f"RunInstances x{spec.instance_count} ({spec.instance_type.removeprefix('ml.')})",
+            f"upload {job_uri}/ec2/hosts.json, hosts.txt, job.json"),
+            detail={"job_uri": job_uri, "region": region, "uploads": uploads,
+                    "output_uri": f"{output_root.rstrip('/')}/{spec.job_name}"})
+
+    def start(self, plan: Plan) -> EC2Job:
+        """Write the job's files to S3, launch the instances, publish their addresses.
+
+        Raises:
+            BackendError: EC2 refused to launch (instances already started are terminated).
+        """
+        spec, job_uri = plan.spec, plan.detail["job_uri"]
+        output_uri, region = plan.detail["output_uri"], plan.detail["region"]
+        self.session.upload_file(spec.sourcedir, spec.code_uri)
+        for uri, text in plan.detail["uploads"].items():
+            self.session.upload_bytes(text.encode(), uri)
+        instances = self._launch_all(spec, job_uri=job_uri, output_uri=output_uri, region=region,
+                                     pull_policy=plan.options)
         try:  # until the job record exists, nothing else knows these instances: never leak them
             addresses = {host: inst["PrivateIpAddress"] for host, inst in instances.items()}
             self.session.upload_bytes(json.dumps(addresses).encode(), f"{job_uri}/ec2/hosts.json")
@@ -212,15 +232,16 @@ class EC2Backend(Backend):
             raise BackendError(f"no EC2 job under {job_uri} (expected {job_uri}/ec2/job.json)")
         return EC2Job(self.session, json.loads(raw), out=self.out)
 
-    def _launch_all(self, spec: JobSpec, *, job_uri: str, output_uri: str,
-                    region: str) -> dict[str, dict]:
+    def _launch_all(self, spec: JobSpec, *, job_uri: str, output_uri: str, region: str,
+                    pull_policy: str) -> dict[str, dict]:
         ec2 = self.session.client("ec2")
         root_device = self._root_device(ec2)
         launched: dict[str, dict] = {}
         try:
             for host in spec.hosts:
                 script = render_user_data(self._script_settings(
-                    spec, host=host, job_uri=job_uri, output_uri=output_uri, region=region))
+                    spec, host=host, job_uri=job_uri, output_uri=output_uri, region=region,
+                    pull_policy=pull_policy))
                 if len(script.encode()) > USER_DATA_LIMIT:
                     raise BackendError(f"the instance script is {len(script.encode())} bytes; "
                                        f"EC2 accepts at most {USER_DATA_LIMIT}")
@@ -245,11 +266,10 @@ class EC2Backend(Backend):
         return images[0].get("RootDeviceName")
 
     def _script_settings(self, spec: JobSpec, *, host: str, job_uri: str, output_uri: str,
-                         region: str) -> dict[str, str]:
+                         region: str, pull_policy: str) -> dict[str, str]:
         settings = {"JOB_NAME": spec.job_name, "CURRENT_HOST": host, "JOB_URI": job_uri,
                     "OUTPUT_URI": output_uri, "IMAGE": spec.image_uri, "REGION": region,
-                    "MAX_RUN": str(spec.max_run),
-                    "PULL_POLICY": self.parse_options(spec.backend_options)}
+                    "MAX_RUN": str(spec.max_run), "PULL_POLICY": pull_policy}
         if self.session.ec2.forward_endpoints:
             for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_ECR"):
                 if os.environ.get(name):
@@ -308,10 +328,6 @@ class EC2Backend(Backend):
             for host, inst in launched.items():
                 if inst["InstanceId"] in found:
                     launched[host] = found[inst["InstanceId"]]
-
-
-def _with_image(spec: JobSpec, image: str | None) -> JobSpec:
-    return dataclasses.replace(spec, image_uri=image)
 
 
 def _check_ec2_spec(spec: JobSpec) -> None:

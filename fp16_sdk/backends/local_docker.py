@@ -47,7 +47,7 @@ from typing import Any, Mapping
 from fp16_sdk import contract
 from fp16_sdk import image as images
 from fp16_sdk.backends import job_folder as lc
-from fp16_sdk.backends.base import Backend, Channel, JobSpec, refuse_unknown_options
+from fp16_sdk.backends.base import Backend, Channel, JobSpec, Plan, refuse_unknown_options
 from fp16_sdk.backends.local_docker_gpu import (GpuAccess, GpuEdits, assign_gpus,
                                                 choose_gpu_access)
 from fp16_sdk.backends.local_docker_job import (ENDING_GRACE_S, LABEL_HOST, LABEL_JOB, DockerJob,
@@ -95,20 +95,22 @@ def network_name(job: str) -> str:
 class DockerOptions:
     """The validated `backend_options` of a local Docker job."""
 
-    shm_size: int
+    shm_size: int | None  # None: not given; `for_job` sizes it from the engine's memory
     pass_aws_credentials: bool = False
     keep_job_dir: bool = False
     stop_timeout: int = 10
     network: str = "bridge"
 
     @classmethod
-    def parse(cls, options: Mapping[str, Any], *, instance_count: int,
-              engine_memory: int) -> "DockerOptions":
-        """Raises ConfigError naming the key, the value and the fix."""
+    def parse(cls, options: Mapping[str, Any]) -> "DockerOptions":
+        """The options as given (parsed once, at estimator construction).
+
+        Raises:
+            ConfigError: naming the key, the value and the fix.
+        """
         refuse_unknown_options(LocalDockerBackend.NAME, options, OPTIONS)
         shm = options.get("shm_size")
-        shm_bytes = _parse_size(shm) if shm is not None else \
-            max(_GIB, engine_memory // (2 * instance_count))
+        shm_bytes = _parse_size(shm) if shm is not None else None
         for key in ("pass_aws_credentials", "keep_job_dir"):
             if not isinstance(options.get(key, False), bool):
                 raise ConfigError(f"backend_options[{key!r}]={options[key]!r} must be True or "
@@ -121,15 +123,27 @@ class DockerOptions:
         if network not in NETWORKS:
             raise ConfigError(f"backend_options['network']={network!r} must be 'bridge' or "
                               "'host'", key="network", value=network)
-        if network == "host" and instance_count > 1:
-            raise ConfigError(f"backend_options['network']='host' runs one instance only (the "
-                              f"hosts would share one network name); instance_count is "
-                              f"{instance_count}: use 'bridge' or instance_count=1",
-                              key="network", value=network)
         return cls(shm_size=shm_bytes,
                    pass_aws_credentials=options.get("pass_aws_credentials", False),
                    keep_job_dir=options.get("keep_job_dir", False), stop_timeout=timeout,
                    network=network)
+
+    def for_job(self, *, instance_count: int, engine_memory: int) -> "DockerOptions":
+        """These options completed for one job on one engine: shm_size defaults to half the
+        engine's memory shared by the hosts (at least 1 GiB).
+
+        Raises:
+            ConfigError: network 'host' with more than one instance.
+        """
+        if self.network == "host" and instance_count > 1:
+            raise ConfigError(f"backend_options['network']='host' runs one instance only (the "
+                              f"hosts would share one network name); instance_count is "
+                              f"{instance_count}: use 'bridge' or instance_count=1",
+                              key="network", value=self.network)
+        if self.shm_size is not None:
+            return self
+        return dataclasses.replace(
+            self, shm_size=max(_GIB, engine_memory // (2 * instance_count)))
 
 
 def _parse_size(value: Any) -> int:
@@ -187,8 +201,8 @@ class LocalDockerBackend(Backend):
 
     @classmethod
     def parse_options(cls, options: Mapping[str, Any]) -> DockerOptions:
-        """Validate only: the shm_size default needs the engine, known at submit."""
-        return DockerOptions.parse(options, instance_count=1, engine_memory=0)
+        """The typed options; the shm_size default needs the engine (`plan` completes it)."""
+        return DockerOptions.parse(options)
 
     @property
     def client(self) -> Any:
@@ -196,14 +210,32 @@ class LocalDockerBackend(Backend):
             self._client = images.connect()
         return self._client
 
-    def submit(self, spec: JobSpec) -> DockerJob:
-        """Check everything, create the network and containers, start them.
+    def plan(self, spec: JobSpec, *, gpu_access: GpuAccess | None = None) -> Plan:
+        """Check everything against the engine (reads only): the image, the options completed
+        for this engine, the names the containers and the network will take.
 
         Raises:
             DockerUnavailableError, ImageNotFoundError, BackendError, ConfigError: a
                 precondition failed; nothing was created.
         """
-        job = self.create(spec, gpu_access=self.gpu_access() if self.gpu else None)
+        if self.gpu and gpu_access is None:
+            gpu_access = self.gpu_access()
+        image, options = self._preflight(spec)
+        jd = lc.job_dir(spec)
+        steps = [f"{jd / 'hosts' / h}: lay out /opt/ml, extract the code into code/; "
+                 f"container {container_name(spec.job_name, h)} ({image})" for h in spec.hosts]
+        if options.network == "bridge":
+            steps.insert(0, f"network {network_name(spec.job_name)}")
+        return Plan(spec.completed(options=options), options, steps=tuple(steps),
+                    detail={"image": image, "gpu_access": gpu_access})
+
+    def start(self, plan: Plan) -> DockerJob:
+        """Create the network and containers, start them.
+
+        Raises:
+            BackendError: the engine refused; whatever was created is removed.
+        """
+        job = self._create(plan)
         job.start()
         return job
 
@@ -225,14 +257,19 @@ class LocalDockerBackend(Backend):
         if self.gpu and gpu_access is None:
             raise BackendError("LocalDockerBackend(gpu=True).create needs gpu_access: call "
                                "gpu_access() first, or submit()")
+        return self._create(self.plan(spec, gpu_access=gpu_access))
+
+    def _create(self, plan: Plan) -> DockerJob:
+        spec, options = plan.spec, plan.options
+        image, gpu_access = plan.detail["image"], plan.detail["gpu_access"]
         prune_quietly(self.client, grace=ENDING_GRACE_S)  # what jobs of dead SDKs left
-        image, options = self._preflight(spec)
         jd = lc.job_dir(spec)
-        hps = dict(spec.hyperparameters)
-        hps["sagemaker_submit_directory"] = json.dumps("/opt/ml/code")
+        # The code is extracted into each host's code/ here: the containers read it in place
+        # (SageMaker's convention), while the request keeps where the package is.
+        seen = spec.with_code_uri("/opt/ml/code").hyperparameters
         trees = {host: lc.lay_out_host(spec, host, root=jd / "hosts" / host,
                                        network_interface_name=_interface(options),
-                                       hyperparameters=hps,
+                                       hyperparameters=seen,
                                        link_data=False) for host in spec.hosts}
         for tree in trees.values():
             safe_extract(spec.sourcedir, tree.code)
@@ -278,8 +315,9 @@ class LocalDockerBackend(Backend):
         client = self.client
         image = spec.image_uri or images.default_image(self.gpu)
         images.require_image(image, gpu=self.gpu, client=client)
-        options = DockerOptions.parse(spec.backend_options, instance_count=spec.instance_count,
-                                      engine_memory=int(client.info().get("MemTotal") or 0))
+        options = self.options_of(spec).for_job(
+            instance_count=spec.instance_count,
+            engine_memory=int(client.info().get("MemTotal") or 0))
         if not spec.sourcedir.is_file():
             raise BackendError(f"the job's code {spec.sourcedir} does not exist")
         for ch in spec.channels:
@@ -321,8 +359,7 @@ class LocalDockerBackend(Backend):
         env[contract.LIFELINE_PATH_VAR] = CONTAINER_PATH
         env[contract.MAX_RUN_VAR] = str(spec.max_run + MAX_RUN_MARGIN_S)
         if options.pass_aws_credentials:
-            region = json.loads(spec.hyperparameters.get("sagemaker_region", "null"))
-            env.update(_aws_environment(region))
+            env.update(_aws_environment(spec.region))
         return env
 
     def _mounts(self, spec: JobSpec, host: str, store: Path | None,

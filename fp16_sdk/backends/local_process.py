@@ -44,7 +44,7 @@ import fp16_sdk
 from fp16_sdk import contract
 from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends import local_lifeline
-from fp16_sdk.backends.base import Backend, JobSpec, JobStatus, refuse_unknown_options
+from fp16_sdk.backends.base import Backend, JobSpec, JobStatus, Plan, refuse_unknown_options
 from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, free_port, pids_with_token,
                                                   send_signal)
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
@@ -96,12 +96,11 @@ class LocalProcessBackend(Backend):
     def parse_options(cls, options: Mapping[str, Any]) -> LocalProcessOptions:
         return LocalProcessOptions.parse(options)
 
-    def submit(self, spec: JobSpec) -> "LocalProcessJob":
-        """Check the spec, lay out the host trees and start every host.
+    def plan(self, spec: JobSpec) -> Plan:
+        """Check the request; the host trees and the toolkit command each host runs.
 
         Raises:
-            ConfigError: a non-file:// output_path or channel.
-            BackendError: a host process could not be started (the others are stopped).
+            ConfigError: a non-file:// output_path or channel, a bad backend option.
         """
         if not spec.output_path.startswith("file://"):
             raise ConfigError(f"output_path={spec.output_path!r} must be a file:// URI for "
@@ -110,10 +109,22 @@ class LocalProcessBackend(Backend):
             if not ch.uri.startswith("file://"):
                 raise ConfigError(f"inputs[{ch.name!r}]={ch.uri!r} must be a file:// URI for "
                                   "local_process", key="inputs", value=ch.uri)
+        options = self.options_of(spec)
         if spec.image_uri:
             log.info("local_process runs the toolkit in this Python; image_uri %s is not used",
                      spec.image_uri)
-        job = LocalProcessJob(spec)
+        hosts = lc.job_dir(spec) / "hosts"
+        return Plan(spec.completed(options=options), options, steps=tuple(
+            f"{hosts / h}: lay out /opt/ml, run {sys.executable} -m fp16_sdk.toolkit"
+            for h in spec.hosts))
+
+    def start(self, plan: Plan) -> "LocalProcessJob":
+        """Lay out the host trees and start every host.
+
+        Raises:
+            BackendError: a host process could not be started (the others are stopped).
+        """
+        job = LocalProcessJob(plan.spec)
         job.start()
         return job
 
@@ -125,7 +136,8 @@ class LocalProcessJob(lc.FolderJob):
     the end of the job is `FolderJob`'s."""
 
     def __init__(self, spec: JobSpec):
-        self.options = LocalProcessOptions.parse(spec.backend_options)
+        self.options = spec.options if isinstance(spec.options, LocalProcessOptions) \
+            else LocalProcessOptions.parse(spec.backend_options)
         super().__init__(spec, keep_job_dir=self.options.keep_job_dir)
         self._token = uuid.uuid4().hex
         self._grace = self.options.stop_grace_s

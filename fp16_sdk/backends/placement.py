@@ -34,17 +34,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
+from fp16_sdk.backends.request import JobSpec
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as fail
 
-if TYPE_CHECKING:
-    from fp16_sdk.backends.base import JobSpec
-
 __all__ = ["Placement", "LocalFolders", "SharedFilesystem", "S3Storage", "JobFolder",
            "LOCAL_FOLDERS", "SHARED_FILESYSTEM", "S3_STORAGE", "claim_job_folder",
-           "DEFAULT_OUTPUT_DIRNAME", "use_backend_table"]
+           "DEFAULT_OUTPUT_DIRNAME"]
 
 DEFAULT_OUTPUT_DIRNAME = "fp16_sdk_jobs"  # local default output_path: file://<cwd>/fp16_sdk_jobs
 LOCATION_KEYS = ("output_path", "code_location", "checkpoint_s3_uri")  # on a JobSpec
@@ -89,24 +87,6 @@ def _types_text(types: tuple[str, ...]) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
-# backends.base's table of rows (BACKENDS), which names this module's policies: base imports
-# this module, so it hands its table over (`use_backend_table`) rather than being imported
-# from here. Read at each error: rows added to the table later count.
-_backend_table: dict = {}
-
-
-def use_backend_table(table: dict) -> None:
-    """Called once by backends.base with BACKENDS (the same dict object, not a copy)."""
-    global _backend_table
-    _backend_table = table
-
-
-def _file_types() -> str:
-    """The instance types whose placement keeps files on file:// storage, as error text."""
-    return _types_text(tuple(t for e in _backend_table.values()
-                             if e.placement.scheme == "file://" for t in e.instance_types))
-
-
 class Placement(abc.ABC):
     """A placement policy (see the module docstring). Immutable; rows share the instances.
 
@@ -117,6 +97,11 @@ class Placement(abc.ABC):
 
     scheme: str = "file://"
     notes_no_effect: bool = False
+
+    def naming(self, file_types: tuple[str, ...]) -> "Placement":
+        """This policy, its errors naming `file_types` as the instance types that keep files
+        on file:// storage (the backend table's, handed in by `backends.base.policy`)."""
+        return self
 
     def check_location(self, key: str, value: Any, *, instance_type: str) -> None:
         """One location argument (output_path, code_location, checkpoint_s3_uri, model_uri).
@@ -161,7 +146,7 @@ class Placement(abc.ABC):
         """The one log line naming SageMaker-only arguments that do nothing here."""
         return None
 
-    def check_request(self, spec: "JobSpec") -> None:
+    def check_request(self, spec: JobSpec) -> None:
         """The same rules on a JobSpec (a backend calls this in submit()).
 
         Raises:
@@ -289,21 +274,36 @@ class SharedFilesystem(_Folders):
             if text else None
 
 
+@dataclasses.dataclass(frozen=True)
 class S3Storage(Placement):
-    """Code, channels and outputs in S3 (SageMaker, EC2)."""
+    """Code, channels and outputs in S3 (SageMaker, EC2).
+
+    Args:
+        file_types: the instance types that keep files on file:// storage, as its errors name
+            them (`naming`; the backend table knows them, this module does not).
+    """
 
     scheme = "s3://"
+    file_types: tuple[str, ...] = ()
+
+    def naming(self, file_types: tuple[str, ...]) -> "S3Storage":
+        return dataclasses.replace(self, file_types=tuple(file_types))
+
+    def _file_types(self) -> str:
+        if not self.file_types:  # a policy asked without the table (`naming` not called)
+            return "an instance_type that keeps files on this machine or a shared filesystem"
+        return f"instance_type {_types_text(self.file_types)}"
 
     def _check_scheme(self, key: str, value: str, *, instance_type: str) -> None:
         if not value.startswith("s3://"):
             raise fail(key, value, f"must be an s3:// URI for instance_type {instance_type!r}"
-                       f" (file:// works only with instance_type {_file_types()})")
+                       f" (file:// works only with {self._file_types()})")
 
     def check_channel(self, name: str, uri: str, *, instance_type: str) -> None:
         if not uri.startswith("s3://"):
             raise ConfigError(
                 f"input channel {name!r} is {uri!r}: remote jobs read only s3:// channels "
-                f"(file:// channels work only with instance_type {_file_types()}); upload the "
+                f"(file:// channels work only with {self._file_types()}); upload the "
                 "data (aws s3 sync <dir> s3://<bucket>/<prefix>) and pass that URI, or use a "
                 "local instance_type", key=f"inputs[{name}]", value=uri)
 

@@ -5,12 +5,10 @@ spec built without the estimator meets the same rule with the same message.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fp16_sdk.backends.base import BackendEntry, JobSpec, policy
 from fp16_sdk.errors import config_error as fail
-
-if TYPE_CHECKING:
-    from fp16_sdk.backends.base import BackendEntry, JobSpec
 
 __all__ = ["check_spot_wait", "check_vpc_pair", "require_image", "check_remote_request"]
 
@@ -42,7 +40,7 @@ def require_image(image_uri: str | None, *, instance_type: str | None) -> None:
                    "fp16-sdk-training:<tag>'")
 
 
-def check_remote_request(spec: "JobSpec", entry: "BackendEntry") -> None:
+def check_remote_request(spec: JobSpec, entry: BackendEntry) -> None:
     """What a remote backend refuses before it touches AWS: the row's placement rules
     (locations, channels), the image, spot and VPC rules.
 
@@ -51,7 +49,7 @@ def check_remote_request(spec: "JobSpec", entry: "BackendEntry") -> None:
     """
     if entry.needs_image:
         require_image(spec.image_uri, instance_type=spec.instance_type)
-    entry.placement.check_request(spec)
+    policy(entry).check_request(spec)
     check_spot_wait(use_spot_instances=spec.use_spot_instances, max_wait=spec.max_wait,
                     max_run=spec.max_run)
     check_vpc_pair(subnets=spec.subnets, security_group_ids=spec.security_group_ids)

@@ -8,7 +8,6 @@ prints secondary status changes and tails CloudWatch Logs (`cloudwatch.LogTailer
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -18,7 +17,7 @@ from .. import contract
 from ..errors import BackendError, ConfigError, TrainingJobFailedError
 from ..inputs import data_source_config
 from ..session import Session, parse_s3_uri
-from .base import BACKENDS, Backend, JobHandle, JobSpec, JobStatus
+from .base import BACKENDS, Backend, JobHandle, JobSpec, JobStatus, Plan
 from .cloudwatch import LogTailer
 from .rules import check_remote_request
 
@@ -28,10 +27,14 @@ _TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED)
 
 
 def code_uri(spec: JobSpec, session: Session) -> str:
-    """Where the job's sourcedir.tar.gz goes (`contract.code_uri`, the session's default
-    bucket when neither code_location nor an s3:// output_path names one)."""
+    """Where the job's sourcedir.tar.gz goes: the request's `code_uri` (the placement decided
+    it in the estimator), else `contract.code_uri` with the session's default bucket, when
+    neither code_location nor an s3:// output_path names one (a hand-built spec, or an
+    estimator without a session)."""
     if spec.code_location:
         parse_s3_uri(spec.code_location)  # raises ConfigError on a malformed URI
+    if spec.code_uri:
+        return spec.code_uri
     has_bucket = spec.code_location or (spec.output_path or "").startswith("s3://")
     return contract.code_uri(spec.job_name, output_path=spec.output_path or "",
                              code_location=spec.code_location,
@@ -123,14 +126,16 @@ def _flags(spec: JobSpec) -> dict:
     return fields
 
 
-def build_training_request(spec: JobSpec, *, submit_uri: str, output_path: str,
-                           role_arn: str) -> dict:
-    """The `CreateTrainingJob` arguments for `spec`, optional keys only when set.
+def build_training_request(spec: JobSpec, *, output_path: str, role_arn: str,
+                           submit_uri: str | None = None) -> dict:
+    """The `CreateTrainingJob` arguments for `spec`, optional keys only when set (pure).
 
     Field names and shapes are those of the real SDK v2's `Session._get_train_request`.
+    `submit_uri`: the code's URI when `spec` does not carry it yet (`JobSpec.with_code_uri`).
     """
+    if submit_uri is not None:
+        spec = spec.with_code_uri(submit_uri)
     hyperparameters = dict(spec.hyperparameters)
-    hyperparameters["sagemaker_submit_directory"] = json.dumps(submit_uri)
     stopping: dict[str, Any] = {"MaxRuntimeInSeconds": spec.max_run}
     if spec.max_wait:
         stopping["MaxWaitTimeInSeconds"] = spec.max_wait
@@ -188,28 +193,41 @@ class SageMakerBackend(Backend):
     def from_choice(cls, *, instance_type: str | None, session: Any) -> "SageMakerBackend":
         return cls(session)
 
-    def submit(self, spec: JobSpec) -> "SageMakerJob":
-        """Upload the code and call CreateTrainingJob.
+    def plan(self, spec: JobSpec) -> Plan:
+        """The checks, the code's URI and the CreateTrainingJob request; nothing is uploaded.
+
+        A request naming no bucket uses the session's default bucket, which the session
+        makes exist when it is first asked (as SageMaker's SDK does).
 
         Raises:
             ConfigError: file:// inputs, no role, spot without max_wait... (before any upload).
-            BackendError: SageMaker refused the request (its message attached).
         """
-        from botocore.exceptions import ClientError
-
         check_remote_request(spec, BACKENDS["sagemaker"])
-        self.parse_options(spec.backend_options)
+        options = self.options_of(spec)
         if not spec.role:
             raise ConfigError("role is required for SageMaker jobs: pass role='arn:aws:iam::"
                               "<account>:role/<SageMaker execution role>'", key="role", value=None)
         role_arn = self._role_arn(spec.role)
         output_path = (spec.output_path if spec.output_path and spec.output_path.startswith("s3://")
                        else f"s3://{self.session.default_bucket()}/")
-        submit_uri = self.session.upload_file(spec.sourcedir, code_uri(spec, self.session))
-        request = build_training_request(spec, submit_uri=submit_uri, output_path=output_path,
-                                         role_arn=role_arn)
+        spec = spec.with_code_uri(code_uri(spec, self.session))
+        request = build_training_request(spec, output_path=output_path, role_arn=role_arn)
+        return Plan(spec, options, steps=(f"upload {spec.sourcedir} to {spec.code_uri}",
+                                          f"CreateTrainingJob {spec.job_name}"),
+                    detail={"request": request})
+
+    def start(self, plan: Plan) -> "SageMakerJob":
+        """Upload the code and call CreateTrainingJob.
+
+        Raises:
+            BackendError: SageMaker refused the request (its message attached).
+        """
+        from botocore.exceptions import ClientError
+
+        spec = plan.spec
+        self.session.upload_file(spec.sourcedir, spec.code_uri)
         try:
-            self.session.sagemaker_client.create_training_job(**request)
+            self.session.sagemaker_client.create_training_job(**plan.detail["request"])
         except ClientError as err:
             raise BackendError(f"CreateTrainingJob for {spec.job_name} was refused: "
                                f"{err.response.get('Error', {}).get('Message', err)}") from err

@@ -1,10 +1,10 @@
 """`instance_type="slurm"`: the job runs on the user's own Slurm cluster, one toolkit per node.
 
-`submit` checks everything it can before anything reaches Slurm (options, file:// locations on
-the shared filesystem, the stop grace against the cluster's KillWait), lays out each host's
-/opt/ml in the job folder `<output_path>/<job>/` exactly as the local modes do
-(`job_folder.lay_out_host`), writes the batch and node scripts (`slurm_script`) and runs
-`sbatch` through `submit_command`. A submission Slurm refuses leaves nothing behind (the job
+`plan` checks everything it can before anything reaches Slurm (options, file:// locations on
+the shared filesystem, the stop grace against the cluster's KillWait) and writes the batch and
+node scripts' text (`slurm_script`); `start` lays out each host's /opt/ml in the job folder
+`<output_path>/<job>/` exactly as the local modes do (`job_folder.lay_out_host`), writes the
+scripts and runs `sbatch` through `submit_command`. A submission Slurm refuses leaves nothing behind (the job
 folder goes, the name is free again). The handle (`slurm_job.SlurmJob`) follows the job; the
 job itself belongs to Slurm and outlives this process. `attach` finds a job again by name from
 its folder's record, from any process that sees the shared filesystem.
@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 from fp16_sdk import contract
 from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends import slurm_script as script
-from fp16_sdk.backends.base import SHARED_FILESYSTEM, Backend, Channel, JobSpec
+from fp16_sdk.backends.base import SHARED_FILESYSTEM, Backend, Channel, JobSpec, Plan
 from fp16_sdk.backends.slurm_job import SlurmJob, read_record
 from fp16_sdk.backends.slurm_monitor import monitor_for
 from fp16_sdk.backends.slurm_options import OPTIONS, SlurmOptions
@@ -134,58 +134,53 @@ class SlurmBackend(Backend):
     # ---- the job folder ----------------------------------------------------------------
 
     @staticmethod
-    def _stage_channels(spec: JobSpec, files: script.JobFiles,
-                        shared: Sequence[Path]) -> tuple[Channel, ...]:
-        staged = []
+    def _staging(spec: JobSpec, files: script.JobFiles, shared: Sequence[Path]
+                 ) -> tuple[tuple[Channel, ...], dict[str, tuple[str, Path, Path]]]:
+        """The channels as the nodes read them, and {channel: (its URI, source, folder in the
+        job folder)} for each one not under a shared path (decided here, copied by `start`)."""
+        staged, copies = [], {}
         for ch in spec.channels:
             src = ch.local_path.resolve()
             if not _under(src, shared):
                 dest = files.root / "channels" / ch.name
-                log.info("job %s: copying channel %s from %s into the job folder (it is not "
-                         "under a shared path)", spec.job_name, ch.name, src)
-                try:
-                    if src.is_dir():
-                        shutil.copytree(src, dest, symlinks=False)
-                    else:
-                        dest.mkdir(parents=True)
-                        shutil.copy2(src, dest / src.name)
-                        dest = dest / src.name
-                except (shutil.Error, OSError) as exc:
-                    detail = exc.args[0][0][2] if isinstance(exc, shutil.Error) else exc
-                    raise ConfigError(
-                        f"channel {ch.name!r} ({src}) could not be copied into the job folder "
-                        f"({detail}); fix or remove the file, or put the data under a shared "
-                        "path (backend_options['shared_paths']) to use it in place",
-                        key="inputs", value=ch.uri) from exc
-                ch = dataclasses.replace(ch, uri="file://" + str(dest))
+                copies[ch.name] = (ch.uri, src, dest)
+                ch = dataclasses.replace(ch, uri="file://" + str(
+                    dest if src.is_dir() else dest / src.name))
             staged.append(ch)
-        return tuple(staged)
+        return tuple(staged), copies
 
-    def _lay_out(self, spec: JobSpec, files: script.JobFiles, shared: Sequence[Path]) -> JobSpec:
-        source = files.root / "source" / contract.SOURCEDIR_NAME
-        if Path(spec.sourcedir).resolve() != source:
-            source.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(spec.sourcedir, source)
-        spec = dataclasses.replace(spec, channels=self._stage_channels(spec, files, shared))
-        hps = dict(spec.hyperparameters)
-        hps["sagemaker_submit_directory"] = json.dumps("file://" + str(source))
-        for host in spec.hosts:
-            lc.lay_out_host(spec, host, root=files.hosts / host, network_interface_name="eth0",
-                            hyperparameters=hps)
-        return dataclasses.replace(spec, hyperparameters=hps, sourcedir=source)
+    @staticmethod
+    def _copy_channels(job_name: str, copies: Mapping[str, tuple[str, Path, Path]]) -> None:
+        for name, (uri, src, dest) in copies.items():
+            log.info("job %s: copying channel %s from %s into the job folder (it is not "
+                     "under a shared path)", job_name, name, src)
+            try:
+                if src.is_dir():
+                    shutil.copytree(src, dest, symlinks=False)
+                else:
+                    dest.mkdir(parents=True)
+                    shutil.copy2(src, dest / src.name)
+            except (shutil.Error, OSError) as exc:
+                detail = exc.args[0][0][2] if isinstance(exc, shutil.Error) else exc
+                raise ConfigError(
+                    f"channel {name!r} ({src}) could not be copied into the job folder "
+                    f"({detail}); fix or remove the file, or put the data under a shared "
+                    "path (backend_options['shared_paths']) to use it in place",
+                    key="inputs", value=uri) from exc
 
-    # ---- submit and attach -------------------------------------------------------------
+    # ---- plan and start ----------------------------------------------------------------
 
-    def submit(self, spec: JobSpec) -> SlurmJob:
-        """Check, lay out the job folder, write the scripts and sbatch them.
+    def plan(self, spec: JobSpec) -> Plan:
+        """Every check, and the job as it will be: the completed request (code URI, staged
+        channels), the batch and node scripts' text, the sbatch argv. Nothing is written;
+        a failed check gives the claimed job folder back.
 
         Raises:
             ConfigError: a location off the shared filesystem, a bad option, a used job name,
-                a stop grace not below KillWait; nothing was submitted.
-            BackendError: a Slurm command failed (its argv and Slurm's words in the message);
-                nothing was submitted and the job folder is gone.
+                a stop grace not below KillWait.
+            BackendError: a Slurm command failed (its argv and Slurm's words in the message).
         """
-        options = SlurmOptions.parse(spec.backend_options)
+        options = self.options_of(spec)
         # the table row's rules (output_path an absolute file:// URI, file:// channels), for
         # hand-built specs too; the shared paths start from output_path's folder
         SHARED_FILESYSTEM.check_request(spec)
@@ -201,28 +196,66 @@ class SlurmBackend(Backend):
             script.check_job_dir(files.root)
             monitor = monitor_for(options.submit_command)
             grace = self._stop_grace(options, monitor.cli)
-            return self._submit(spec, options, files, shared, grace, monitor)
+            return self._plan(spec, options, files, shared, grace, monitor)
         except BaseException:
             _give_back(files)
             raise
 
-    def _submit(self, spec, options, files, shared, grace, monitor) -> SlurmJob:
-        files.slurm.mkdir(parents=True, exist_ok=True)
-        spec = self._lay_out(spec, files, shared)
+    def _plan(self, spec, options, files, shared, grace, monitor) -> Plan:
+        source = files.root / "source" / contract.SOURCEDIR_NAME
+        channels, copies = self._staging(spec, files, shared)
+        spec = spec.completed(channels=channels, options=options)
+        if not spec.code_uri:  # a hand-built spec: the code goes to the job folder
+            spec = spec.with_code_uri("file://" + str(source))
         token = f"fp16_sdk-{uuid.uuid4().hex[:16]}"
-        files.batch.write_text(script.batch_script(
+        batch = script.batch_script(
             job_name=spec.job_name, nodes=spec.instance_count, max_run=spec.max_run,
             options=options, files=files, stop_grace_s=grace, token=token,
-            mounts=sorted({files.root.parent, *options.shared_paths})))
-        files.node.touch(mode=0o600)  # it holds the environment's values: the owner's only
-        files.node.write_text(script.node_script(
-            job_name=spec.job_name, files=files, environment=spec.environment,
-            setup=options.setup))
-        submitted = dt.datetime.now(dt.timezone.utc)
-        job_id = _sbatch(monitor.cli, script.sbatch_argv(options, files), spec.job_name, token)
-        _write_record(files, spec, job_id=job_id, submitted=submitted)
+            mounts=sorted({files.root.parent, *options.shared_paths}))
+        node = script.node_script(job_name=spec.job_name, files=files,
+                                  environment=spec.environment, setup=options.setup)
+        argv = script.sbatch_argv(options, files)
+        steps = (*(f"copy channel {n} from {s} to {d}" for n, (_, s, d) in copies.items()),
+                 f"{source}: the code", *(f"{files.hosts / h}: lay out /opt/ml"
+                                          for h in spec.hosts),
+                 f"{files.batch}, {files.node}: the scripts", " ".join(argv))
+        return Plan(spec, options, steps=steps, detail={
+            "files": files, "source": source, "copies": copies, "monitor": monitor,
+            "token": token, "batch": batch, "node": node, "argv": argv})
+
+    def start(self, plan: Plan) -> SlurmJob:
+        """Lay out the job folder, write the scripts and sbatch them. A submission that
+        fails leaves nothing behind (the job folder goes, the name is free again).
+
+        Raises:
+            ConfigError: a channel that could not be copied into the job folder.
+            BackendError: a Slurm command failed; nothing was submitted.
+        """
+        d = plan.detail
+        files, source = d["files"], d["source"]
+        try:
+            files.slurm.mkdir(parents=True, exist_ok=True)
+            if Path(plan.spec.sourcedir).resolve() != source:
+                source.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(plan.spec.sourcedir, source)
+            spec = plan.spec.completed(sourcedir=source)
+            self._copy_channels(spec.job_name, d["copies"])
+            for host in spec.hosts:
+                lc.lay_out_host(spec, host, root=files.hosts / host,
+                                network_interface_name="eth0")
+            files.batch.write_text(d["batch"])
+            files.node.touch(mode=0o600)  # it holds the environment's values: the owner's only
+            files.node.write_text(d["node"])
+            submitted = dt.datetime.now(dt.timezone.utc)
+            job_id = _sbatch(d["monitor"].cli, d["argv"], spec.job_name, d["token"])
+            _write_record(files, spec, job_id=job_id, submitted=submitted,
+                          submit_command=plan.options.submit_command)
+        except BaseException:
+            _give_back(files)
+            raise
         log.info("job %s: Slurm job %s submitted (%s)", spec.job_name, job_id, files.root)
-        return SlurmJob(spec, files=files, job_id=job_id, monitor=monitor, submitted=submitted)
+        return SlurmJob(spec, files=files, job_id=job_id, monitor=d["monitor"],
+                        submitted=submitted)
 
     def attach(self, job_name: str) -> SlurmJob:
         """A handle on a Slurm job submitted by any process, found by its name.
@@ -289,11 +322,11 @@ _RECORDED = ("job_name", "instance_type", "instance_count", "hyperparameters", "
 
 
 def _write_record(files: script.JobFiles, spec: JobSpec, *, job_id: str,
-                  submitted: dt.datetime) -> None:
+                  submitted: dt.datetime, submit_command: Sequence[str]) -> None:
     """slurm/job.json: what attach needs (written atomically, after sbatch answered)."""
     record = {
         "job_id": job_id, "submitted": submitted.isoformat(),
-        "submit_command": list(SlurmOptions.parse(spec.backend_options).submit_command),
+        "submit_command": list(submit_command),
         "spec": {k: getattr(spec, k) for k in _RECORDED},
     }
     record["spec"]["hyperparameters"] = dict(spec.hyperparameters)

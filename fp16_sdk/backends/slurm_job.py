@@ -71,7 +71,8 @@ class SlurmJob(lc.FolderJob):
         self.job_id = job_id
         self.monitor = monitor
         self.cli = monitor.cli
-        self._options = SlurmOptions.parse(spec.backend_options)
+        self._options = spec.options if isinstance(spec.options, SlurmOptions) \
+            else SlurmOptions.parse(spec.backend_options)  # attach: from the record
         self._node_logs = NodeLogs(files)
         self._lock = threading.RLock()
         self._state: SlurmState | None = None

@@ -282,13 +282,13 @@ _IFACE_PY = (
     "        break\n")
 
 _IFACE = [
-    "# NCCL_SOCKET_IFNAME comes from network_interface_name: this node's own interface.",
+    "# NCCL_SOCKET_IFNAME comes from network_interface_name: this node's own interface, which",
+    "# only the node can find; the toolkit reads it from this variable (resourceconfig.json",
+    "# stays as the SDK wrote it).",
     'ADDR=$(getent hosts "$(hostname)" | awk \'{print $1; exit}\')',
     'IFACE=$(python3 -c "$IFACE_PY" "$ADDR" 2>/dev/null)',
     'if [ -n "$IFACE" ]; then',
-    '  sed -i -E "s/\\"network_interface_name\\": \\"[^\\"]*\\"/'
-    '\\"network_interface_name\\": \\"$IFACE\\"/" '
-    '"$SAGEMAKER_BASE_DIR/input/config/resourceconfig.json"',
+    f'  export {contract.NETWORK_INTERFACE_VAR}="$IFACE"',
     "else",
     '  echo "fp16_sdk: found no interface holding $(hostname)\'s address ${ADDR:-(none)};'
     ' network_interface_name stays as laid out"',

@@ -80,16 +80,28 @@ class JobConfig:
                               value=rc["current_host"])
 
     @classmethod
-    def read(cls, paths: Paths) -> "JobConfig":
+    def read(cls, paths: Paths, environ: Mapping[str, str] | None = None) -> "JobConfig":
         """Read input/config/*.json; a missing inputdataconfig.json means no channels.
+
+        Args:
+            paths: the /opt/ml layout.
+            environ: the toolkit's environment (default `os.environ`): a non-empty
+                `contract.NETWORK_INTERFACE_VAR` (set where only the host itself can find its
+                interface, as on a Slurm node) replaces resourceconfig.json's
+                network_interface_name; the file is left as the backend wrote it.
 
         Raises:
             ConfigError: a file is missing (hyperparameters/resourceconfig) or not JSON.
         """
+        environ = os.environ if environ is None else environ
+        resources = _read_json(paths.input_config / contract.RESOURCE_CONFIG_FILE)
+        interface = environ.get(contract.NETWORK_INTERFACE_VAR)
+        if interface and isinstance(resources, dict):
+            resources = {**resources, "network_interface_name": interface}
         return cls(
             hyperparameters=decode_hyperparameters(
                 _read_json(paths.input_config / contract.HYPERPARAMETERS_FILE, default={})),
-            resource_config=_read_json(paths.input_config / contract.RESOURCE_CONFIG_FILE),
+            resource_config=resources,
             input_data_config=_read_json(paths.input_config / contract.INPUT_DATA_CONFIG_FILE,
                                          default={}),
         )

@@ -20,7 +20,7 @@ import re
 import time
 from typing import Any
 
-from fp16_sdk.backends.base import backend_entry
+from fp16_sdk.backends.base import backend_entry, policy
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.tuner import records
 from fp16_sdk.tuner.analytics import HyperparameterTuningJobAnalytics
@@ -184,8 +184,8 @@ class HyperparameterTuner:
         from fp16_sdk.tuner.local import LocalTuning
 
         est = self.estimator
-        settings, entry = est._validate()
-        estimator_job.channels(inputs, settings, entry.placement)  # refuse bad inputs now
+        settings, entry, _options = est._validate()
+        estimator_job.channels(inputs, settings, policy(entry))  # refuse bad inputs now
         tuning = LocalTuning(name, est, self._config, inputs=inputs)
         tuning.start(self._local_description())
         self.latest_tuning_job = tuning

@@ -126,6 +126,22 @@ def test_create_training_job_round_trips_every_field(aws, sourcedir):
     assert job.model_data == "s3://out-bucket/models/fp16-job-1/output/model.tar.gz"
 
 
+def test_plan_is_the_request_and_only_start_uploads_and_creates(aws, sourcedir):
+    """plan() gives the CreateTrainingJob request (EXPECTED) and touches nothing: no object
+    in the code bucket, no call to CreateTrainingJob; start(plan) sends that request."""
+    session = Session()
+    make_buckets(session, "code-bucket", "out-bucket")
+    sent = capture_requests(session, "CreateTrainingJob")
+    backend = SageMakerBackend(session)
+    plan = backend.plan(full_spec(sourcedir))
+    assert plan.detail["request"] == EXPECTED and sent == []
+    assert plan.spec.code_uri == "s3://code-bucket/team/code/fp16-job-1/source/sourcedir.tar.gz"
+    assert "Contents" not in session.client("s3").list_objects_v2(Bucket="code-bucket")
+    assert session.sagemaker_client.list_training_jobs()["TrainingJobSummaries"] == []
+    backend.start(plan)
+    assert sent == [EXPECTED]
+
+
 def test_uploaded_sourcedir_is_byte_identical(aws, sourcedir):
     session = Session()
     make_buckets(session, "code-bucket", "out-bucket")

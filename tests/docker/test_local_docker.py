@@ -538,13 +538,15 @@ def test_unreachable_engine_says_how_to_start_it(monkeypatch, tmp_path):
 
 def test_backend_options_are_validated():
     mem = 8 << 30
-    assert DockerOptions.parse({}, instance_count=2, engine_memory=mem).shm_size == 2 << 30
-    assert DockerOptions.parse({}, instance_count=8, engine_memory=mem).shm_size == 1 << 30
-    assert DockerOptions.parse({"shm_size": "512m"}, instance_count=1,
-                               engine_memory=mem).shm_size == 512 << 20
+    given, sized = DockerOptions.parse({}), DockerOptions.parse({"shm_size": "512m"})
+    assert given.shm_size is None  # parsed once; the engine's share is known at plan
+    assert [o.for_job(instance_count=n, engine_memory=mem).shm_size for o, n in (
+        (given, 2), (given, 8), (sized, 1))] == [2 << 30, 1 << 30, 512 << 20]
+    with pytest.raises(ConfigError, match="runs one instance only"):
+        DockerOptions.parse({"network": "host"}).for_job(instance_count=2, engine_memory=mem)
     for bad, key in (({"shm_sise": "1g"}, "shm_sise"), ({"shm_size": "lots"}, "shm_size"),
                      ({"stop_timeout": -1}, "stop_timeout"),
                      ({"pass_aws_credentials": "yes"}, "pass_aws_credentials")):
         with pytest.raises(ConfigError) as err:
-            DockerOptions.parse(bad, instance_count=1, engine_memory=mem)
+            DockerOptions.parse(bad)
         assert err.value.key == key

@@ -20,7 +20,7 @@ import pytest
 
 from fp16_sdk.backends import base
 from fp16_sdk.backends.base import (LOCAL_FOLDERS, S3_STORAGE, SHARED_FILESYSTEM, Backend,
-                                    BackendEntry, Channel, JobHandle, JobSpec, JobStatus,
+                                    BackendEntry, Channel, JobHandle, JobSpec, JobStatus, Plan,
                                     SharedFilesystem)
 from fp16_sdk.backends.rules import check_remote_request
 from fp16_sdk.errors import ConfigError
@@ -71,8 +71,12 @@ class RunHereBackend(Backend):
     NAME = "run_here"
     specs: list[JobSpec] = []
 
-    def submit(self, spec: JobSpec) -> JobHandle:
+    def plan(self, spec: JobSpec) -> Plan:
         SHARED_FILESYSTEM.check_request(spec)
+        return Plan(spec, self.options_of(spec), steps=("run the entry point here",))
+
+    def start(self, plan: Plan) -> JobHandle:
+        spec = plan.spec
         job = Path(spec.output_path[len("file://"):]) / spec.job_name
         code, model, out = job / "code", job / "model", job / "output"
         for folder in (code, model, out):
@@ -164,10 +168,13 @@ class UploadingBackend(Backend):
     NAME = "uploading"
     seen: list[tuple[JobSpec, bytes]] = []
 
-    def submit(self, spec: JobSpec) -> JobHandle:
+    def plan(self, spec: JobSpec) -> Plan:
         check_remote_request(spec, base.BACKENDS["uploading"])
-        UploadingBackend.seen.append((spec, spec.sourcedir.read_bytes()))
-        return _DoneJob(spec, Path("/nonexistent"))
+        return Plan(spec)
+
+    def start(self, plan: Plan) -> JobHandle:
+        UploadingBackend.seen.append((plan.spec, plan.spec.sourcedir.read_bytes()))
+        return _DoneJob(plan.spec, Path("/nonexistent"))
 
 
 def test_an_s3_row_packages_in_a_temporary_folder(workdir, monkeypatch):
@@ -254,6 +261,11 @@ def test_s3_storage(tmp_path):
     assert S3_STORAGE.resolve_output_path(None) == ""
     with pytest.raises(ConfigError, match=r"file:// works only with instance_type "
                                           r"'local_process', 'local', 'local_gpu' or 'slurm'"):
+        base.policy(base.BACKENDS["sagemaker"]).check_location(
+            "output_path", "file:///tmp/o", instance_type="ml.c5.xlarge")
+    # The policy alone does not read the table (no import of it): its text stays general.
+    with pytest.raises(ConfigError, match=r"file:// works only with an instance_type that "
+                                          r"keeps files on this machine or a shared filesystem"):
         S3_STORAGE.check_location("output_path", "file:///tmp/o", instance_type="ml.c5.xlarge")
     folder = S3_STORAGE.claim("s3://b/", "j")
     try:
@@ -267,7 +279,8 @@ def test_file_types_in_messages_follow_the_table(monkeypatch):
     monkeypatch.setitem(base.BACKENDS, "cluster", BackendEntry(
         "cluster", "x:Y", placement=SHARED_FILESYSTEM, instance_types=("cluster",)))
     with pytest.raises(ConfigError, match="'local_gpu', 'slurm' or 'cluster'"):
-        S3_STORAGE.check_channel("train", "file:///data", instance_type="ml.c5.xlarge")
+        base.policy(base.BACKENDS["ec2"]).check_channel("train", "file:///data",
+                                                        instance_type="ml.c5.xlarge")
 
 
 def _spec(tmp_path: Path, **fields) -> JobSpec:

@@ -211,25 +211,42 @@ def test_node_script_becomes_its_host_and_starts_clean(tmp_path):
 
 
 def test_every_node_names_its_own_interface_for_nccl(tmp_path):
-    """With or without GPUs the node script writes the interface holding the node's address
-    into resourceconfig.json (the toolkit's NCCL_SOCKET_IFNAME), found by the kernel's ioctls
-    (no iproute2): run here on 127.0.0.1 it must name the loopback interface; the sed
-    expression is run on a real file."""
+    """With or without GPUs the node script finds the interface holding the node's address
+    (the kernel's ioctls, no iproute2) and hands it to the toolkit through
+    contract.NETWORK_INTERFACE_VAR; the toolkit's NCCL_SOCKET_IFNAME and SM_RESOURCE_CONFIG
+    say it, and resourceconfig.json stays as the SDK wrote it (no sed on the SDK's file).
+    Run here: the finder names loopback for 127.0.0.1, and the script's own lines, run by
+    bash on this machine, export this machine's interface."""
+    import socket
+    from fp16_sdk import contract
+    from fp16_sdk.toolkit.env import JobConfig, Paths, build_env
     files = script.JobFiles(tmp_path / "j")
     text = script.node_script(job_name="j", files=files, environment={})
-    assert "resourceconfig.json" in text and "ip -o" not in text
-    import socket
-    loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    assert "sed " not in text and "ip -o" not in text
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next(name for name in names if name.startswith("lo"))
     found = subprocess.run(["python3", "-c", script._IFACE_PY, "127.0.0.1"],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert found == loopback
-    sed = next(line.strip() for line in text.splitlines() if line.strip().startswith("sed "))
-    config = tmp_path / "rc.json"
-    config.write_text('{\n  "network_interface_name": "eth0"\n}\n')
-    subprocess.run(["bash", "-c", sed.replace('"$SAGEMAKER_BASE_DIR/input/config/'
-                                              'resourceconfig.json"', str(config))],
-                   env={"IFACE": "ib0", "PATH": os.environ["PATH"]}, check=True)
-    assert json.loads(config.read_text()) == {"network_interface_name": "ib0"}
+    lines = text.splitlines()
+    block = lines[next(i for i, x in enumerate(lines) if x.startswith("IFACE_PY=")):
+                  next(i for i, x in enumerate(lines) if x == "fi") + 1]
+    shown = subprocess.run(["bash", "-c", "\n".join(block) + "\necho "
+                            f"\"${contract.NETWORK_INTERFACE_VAR}\""],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert shown in names  # this machine's interface for its own address
+    tree = Paths(tmp_path / "algo-1")
+    tree.input_config.mkdir(parents=True)
+    written = contract.config_text(contract.resource_config(
+        current_host="algo-1", hosts=["algo-1"], instance_type="slurm",
+        network_interface_name="eth0"))
+    (tree.input_config / contract.RESOURCE_CONFIG_FILE).write_text(written)
+    config = JobConfig.read(tree, environ={contract.NETWORK_INTERFACE_VAR: "ib0"})
+    env = build_env(config, paths=tree, num_cpus=1, num_gpus=0, environ={})
+    assert env["NCCL_SOCKET_IFNAME"] == env["SM_NETWORK_INTERFACE_NAME"] == "ib0"
+    assert json.loads(env["SM_RESOURCE_CONFIG"])["network_interface_name"] == "ib0"
+    assert (tree.input_config / contract.RESOURCE_CONFIG_FILE).read_text() == written
+    assert JobConfig.read(tree, environ={}).resource_config["network_interface_name"] == "eth0"
 
 
 def test_setup_lines_run_in_the_node_shell_and_a_failing_one_writes_the_failure(tmp_path):
