@@ -134,12 +134,10 @@ layout_opt_ml() {
     } > "$WORK/downloads.tsv"
     s3 get-list "$WORK/downloads.tsv" || return 1
     say "downloaded $count input objects"
-    local iface
-    iface="$(ip -o -4 route show to default 2>/dev/null | awk '{ print $5; exit }')"
-    if [ -n "$iface" ]; then  # NCCL_SOCKET_IFNAME comes from network_interface_name
-        sed -i "s/\"network_interface_name\": \"eth0\"/\"network_interface_name\": \"$iface\"/" \
-            "$ML_ROOT/input/config/resourceconfig.json"
-    fi
+    # The instance's own interface (NCCL_SOCKET_IFNAME follows it): the toolkit takes it from
+    # FP16_SDK_NETWORK_INTERFACE (contract.NETWORK_INTERFACE_VAR) over resourceconfig.json's
+    # network_interface_name, so the SDK's file stays as written.
+    HOST_IFACE="$(ip -o -4 route show to default 2>/dev/null | awk '{ print $5; exit }')"
 }
 
 resolve_hosts() {
@@ -258,6 +256,7 @@ load_run_env() {  # RUN_ENV=(NAME=value ...): AWS settings, env.tsv's (base64), 
         RUN_ENV+=("$name=${value%x}")
     done < "$WORK/env.tsv"
     RUN_ENV+=("FP16_SDK_HOST_ADDRESSES=$FP16_SDK_HOST_ADDRESSES")
+    if [ -n "${HOST_IFACE:-}" ]; then RUN_ENV+=("FP16_SDK_NETWORK_INTERFACE=$HOST_IFACE"); fi
 }
 
 host_names() {  # every host of the job, algo-1 first

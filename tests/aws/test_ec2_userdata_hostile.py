@@ -86,6 +86,34 @@ env -i "${{RUN_ENV[@]}}" python3 -c 'import json, os; print(json.dumps(dict(os.e
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
 
 
+def test_the_instance_hands_its_interface_to_the_toolkit_not_to_the_sdks_file(tmp_path):
+    """The interface the instance finds goes to `train` as contract.NETWORK_INTERFACE_VAR,
+    after the user's variables (the instance's own wins); resourceconfig.json is never
+    edited (the script had rewritten it with sed), and the toolkit reads the variable over the
+    file's network_interface_name."""
+    from fp16_sdk import contract
+    from fp16_sdk.toolkit.env import JobConfig, Paths
+    assert "sed -i" not in render_user_data(SETTINGS)
+    (tmp_path / "env.tsv").write_text(env_table(_spec(FP16_SDK_NETWORK_INTERFACE="user0")))
+    out = tmp_path / "env.json"
+    proc = _run(tmp_path, f"""WORK={tmp_path}; FP16_SDK_HOST_ADDRESSES='{{"algo-1": "10.0.0.1"}}'
+HOST_IFACE=ens5
+load_run_env
+env -i "${{RUN_ENV[@]}}" python3 -c 'import json, os; print(json.dumps(dict(os.environ)))' > {out}
+""")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    child = json.loads(out.read_text())
+    assert child[contract.NETWORK_INTERFACE_VAR] == "ens5"
+    tree = Paths(tmp_path / "algo-1")
+    tree.input_config.mkdir(parents=True)
+    written = contract.config_text(contract.resource_config(
+        current_host="algo-1", hosts=["algo-1"], instance_type="ml.c5.xlarge",
+        network_interface_name="eth0"))
+    (tree.input_config / contract.RESOURCE_CONFIG_FILE).write_text(written)
+    assert JobConfig.read(tree, child).resource_config["network_interface_name"] == "ens5"
+    assert (tree.input_config / contract.RESOURCE_CONFIG_FILE).read_text() == written
+
+
 def test_artifact_names_starting_with_dash_are_archived_as_files(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
