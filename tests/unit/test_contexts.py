@@ -1,4 +1,5 @@
-"""Creation contexts record what TP and PP act on (state.creation); unknown options warn once."""
+"""Creation contexts record what TP and PP act on (state.creation, one CreationRecord per
+module); unknown options warn once."""
 
 import logging
 
@@ -30,13 +31,13 @@ def test_innermost_context_wins_and_is_recorded_per_module():
         with smp.tensor_parallelism(enabled=False):
             off = Child()
         on = Parent()
-    assert creation_options(off)["tensor_parallelism"] is False
-    assert creation_options(off.lin)["tensor_parallelism"] is False
+    assert creation_options(off).tensor_parallelism is False
+    assert creation_options(off.lin).tensor_parallelism is False
     rec = creation_options(on)
-    assert rec["tensor_parallelism"] is True and rec["tp_config"] == {"distribute_embedding": True}
-    assert creation_options(on.a)["partition"] == 1 and creation_options(on.a.lin)["partition"] == 1
-    assert creation_options(on.b)["partition"] == 0
-    assert creation_options(on.c)["partition"] is None
+    assert rec.tensor_parallelism is True and rec.tp_config == {"distribute_embedding": True}
+    assert creation_options(on.a).partition == 1 and creation_options(on.a.lin).partition == 1
+    assert creation_options(on.b).partition == 0
+    assert creation_options(on.c).partition is None
     outside = Child()
     assert creation_options(outside) is None  # nothing recorded outside every context
 
@@ -47,7 +48,7 @@ def test_model_creation_dtype_and_restores_default():
         m = torch.nn.Linear(2, 2)
     assert m.weight.dtype == torch.float16 and torch.get_default_dtype() == before
     rec = creation_options(m)
-    assert rec["tensor_parallelism"] is True and rec["dtype"] == torch.float16
+    assert rec.tensor_parallelism is True and rec.dtype == torch.float16
 
 
 def test_setters_and_unknown_option_warns_once(caplog):
@@ -56,8 +57,8 @@ def test_setters_and_unknown_option_warns_once(caplog):
     smp.set_partition(m, 0)
     smp.set_activation_checkpointing(m, strategy="each")
     rec = creation_options(m)
-    assert rec["tensor_parallelism"] and rec["partition"] == 0
-    assert rec["activation_checkpointing"]["strategy"] == "each"
+    assert rec.tensor_parallelism and rec.partition == 0
+    assert rec.activation_checkpointing.strategy == "each"
     with caplog.at_level(logging.WARNING, logger="smp"):
         with smp.tensor_parallelism(not_a_real_option=1):
             pass

@@ -14,8 +14,9 @@ a creation context or, when no context recorded anything, by default); after it,
 which nothing was split is an SMPConfigError naming its module types and the fixes, never a
 silent data-parallel run. The full/shard state dicts of the result are nn/state_dicts.py's.
 
-Record format (`state.creation[module]`, a dict): `"tensor_parallelism": bool` and
-`"tp_config": {key: value}` (the context's keyword arguments, e.g. distribute_embedding).
+Record format (`state.creation[module]`): a `creation_record.CreationRecord`, read through
+`recorded_tp_options` as {"enabled": bool, **tp_config} (the context's keyword arguments,
+e.g. distribute_embedding).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..creation_record import recorded_tp_options
 from ..errors import SMPConfigError
 from ..param_record import module_record, param_record
 from .layers import DistributedModule
@@ -51,10 +53,7 @@ def _recorded_options(module: nn.Module) -> dict | None:
     """{"enabled": bool, **tp_config} from state.creation, or None when nothing was recorded."""
     from ..state import state
 
-    record = state.creation.get(module) if state.creation is not None else None
-    if not record or "tensor_parallelism" not in record:
-        return None
-    return {"enabled": bool(record["tensor_parallelism"]), **dict(record.get("tp_config") or {})}
+    return recorded_tp_options(state.creation, module)
 
 
 def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | None = None,

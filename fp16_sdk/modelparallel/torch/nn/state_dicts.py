@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError
 from ..param_record import module_record
+from ..state_dict_keys import PARTIAL_KEY
 from .layers import DistributedModule
 from .mappings import TPContext, _all_gather
 
@@ -87,7 +88,7 @@ def shard_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> O
     Raises:
         CheckpointError: a sharded key's tensor has neither the full nor the local shape.
     """
-    out = OrderedDict((k, v) for k, v in state_dict.items() if k != "_smp_is_partial")
+    out = OrderedDict((k, v) for k, v in state_dict.items() if k != PARTIAL_KEY)
     current = module.state_dict()
     for key, (dim, ctx, parts) in _split_entries(module).items():
         if key not in out:

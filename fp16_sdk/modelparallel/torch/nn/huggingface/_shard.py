@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ...errors import SMPUnsupportedError
 from ...param_record import update_module_record, update_param_record
+from ...state_dict_keys import PARTIAL_KEY
 from ..state_dicts import gather_tensor, shard_tensor
 from ..layers import DistributedModule, check_divisible
 from ..mappings import (TPContext, copy_to_tensor_parallel_region,
@@ -31,7 +32,6 @@ from ..mappings import (TPContext, copy_to_tensor_parallel_region,
 __all__ = ["Split", "Arch", "ShardedLinear", "shard_block", "shard_state_dict",
            "gather_state_dict", "check_divisible", "installed_blocks"]
 
-_PARTIAL = "_smp_is_partial"
 # Block arguments that are not batch-first even when their dim 0 happens to equal the batch.
 _NOT_BATCH = frozenset({"cache_position", "use_cache", "output_attentions"})
 
@@ -308,7 +308,7 @@ def shard_state_dict(state_dict: Mapping[str, Any], arch: Arch, *, tp_rank: int,
     rules = arch.key_rules()
     out = {}
     for key, value in state_dict.items():
-        if key == _PARTIAL:
+        if key == PARTIAL_KEY:
             continue
         rule = _rule_for(key, rules) if isinstance(value, torch.Tensor) else None
         out[key] = value if rule is None else shard_tensor(value, rule[0], rule[1], tp_size,
@@ -320,7 +320,7 @@ def gather_state_dict(state_dict: Mapping[str, Any], arch: Arch, *, group: Any) 
     """Every TP rank's shards (same keys on every rank) -> the full HF state dict. Collective:
     every rank of `group` calls it; split keys are gathered in sorted order."""
     rules = arch.key_rules()
-    out = {k: v for k, v in state_dict.items() if k != _PARTIAL}
+    out = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
     for key in sorted(out):
         rule = _rule_for(key, rules) if isinstance(out[key], torch.Tensor) else None
         if rule is not None:
@@ -348,10 +348,10 @@ def to_smdistributed(arch: Arch, state_dict: Mapping[str, Any], tp_rank: int | N
 def to_hf(arch: Arch, state_dict: Mapping[str, Any], partial: bool | None) -> dict:
     """The public `translate_state_dict_to_hf_<arch>`: a full dict passes through (no
     communication, any one rank may call it); a partial one is gathered (every TP rank calls)."""
-    partial = bool(state_dict.get(_PARTIAL, False)) if partial is None else partial
+    partial = bool(state_dict.get(PARTIAL_KEY, False)) if partial is None else partial
     if not partial:
-        return {k: v for k, v in state_dict.items() if k != _PARTIAL}
+        return {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
     _, size, group = default_tp()
     if size == 1:
-        return {k: v for k, v in state_dict.items() if k != _PARTIAL}
+        return {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
     return gather_state_dict(state_dict, arch, group=group)
