@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,9 @@ from .layers import DistributedModule
 from .mappings import TPContext, current_tp_context
 from .registry import Registration, registration_for
 from .state_dicts import shard_full_state_dict
+
+if TYPE_CHECKING:
+    from ..delayed_init import DelayedPlan
 
 __all__ = [
     "distribute_tensor_parallel",
@@ -57,13 +60,16 @@ def _recorded_options(module: nn.Module) -> dict | None:
 
 
 def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | None = None,
-                               tp_context: TPContext | None = None) -> nn.Module:
+                               tp_context: TPContext | None = None,
+                               delayed: DelayedPlan | None = None) -> nn.Module:
     """Replace the outermost supported, TP-enabled modules of `module` by distributed ones.
 
     Args:
         module: the user's model (before DistributedModel wraps it).
         options: module -> {"enabled": bool, **kwargs} or None (default: state.creation).
         tp_context: the TP group (default: the running smp job's).
+        delayed: delayed initialization's plan (delayed_init.begin), or None: each module
+            distributed is realised in full before it is sliced and released after.
 
     Returns:
         The model, changed in place (or the replacement when the root itself is replaced).
@@ -74,14 +80,14 @@ def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | No
     lookup = options or _recorded_options
     if "transformers" in sys.modules:  # a Hugging Face model needs transformers imported
         from .huggingface import distribute_hf_blocks
-        distribute_hf_blocks(module, lookup=lookup, tp_context=ctx)
+        distribute_hf_blocks(module, lookup=lookup, tp_context=ctx, delayed=delayed)
     owners = _parameter_owners(module)
     root_opts = lookup(module)
     if root_opts and root_opts.get("enabled"):
-        replaced = _try_distribute(module, "<root>", root_opts, ctx, owners, module)
+        replaced = _try_distribute(module, "<root>", root_opts, ctx, owners, delayed)
         if replaced is not None:
             return replaced
-    _walk(module, "", root_opts, lookup, ctx, owners, module)
+    _walk(module, "", root_opts, lookup, ctx, owners, delayed)
     if not distributed_modules(module):
         raise _nothing_split_error(module, ctx.size)
     return module
@@ -101,18 +107,18 @@ def _nothing_split_error(module: nn.Module, tp: int) -> SMPConfigError:
         key="tensor_parallel_degree", value=tp)
 
 
-def _walk(parent, prefix, parent_opts, lookup, ctx, owners, root) -> None:
+def _walk(parent, prefix, parent_opts, lookup, ctx, owners, delayed) -> None:
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
         opts = lookup(child) or parent_opts
         if isinstance(child, DistributedModule) or module_record(child).distributed_module:
             continue  # an smp.nn module used directly, or a sharded HF block: distributed already
         if opts and opts.get("enabled"):
-            replaced = _try_distribute(child, path, opts, ctx, owners, root)
+            replaced = _try_distribute(child, path, opts, ctx, owners, delayed)
             if replaced is not None:
                 setattr(parent, name, replaced)
                 continue
-        _walk(child, path + ".", opts, lookup, ctx, owners, root)
+        _walk(child, path + ".", opts, lookup, ctx, owners, delayed)
 
 
 def _parameter_owners(root: nn.Module) -> dict[int, list[nn.Module]]:
@@ -125,18 +131,18 @@ def _parameter_owners(root: nn.Module) -> dict[int, list[nn.Module]]:
     return owners
 
 
-def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
+def _try_distribute(module, path, opts, ctx, owners, delayed) -> nn.Module | None:
     reg = registration_for(module)
     if reg is None or (reg.option and not opts.get(reg.option, False)):
         return None
-    from ..delayed_init import realise_module, release_module
     subtree = set(map(id, module.modules()))
     for p in module.parameters():
         if any(id(o) not in subtree for o in owners.get(id(p), [])):
             log.info("tensor parallelism: %s (%s) shares weights with another module; left whole",
                      path, type(module).__name__)
             return None
-    realise_module(module)  # delayed init: this module in full, freed once sliced
+    if delayed is not None:
+        delayed.realise_module(module)  # this module in full, freed once sliced
     args, kwargs = _constructor_args(module, reg, opts)
     if args is None:
         log.info("tensor parallelism: %s (%s) was created before its tp_register call; left "
@@ -148,7 +154,8 @@ def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
         log.info("tensor parallelism: %s (%s) left whole: %s", path, type(module).__name__, err)
         return None
     _copy_weights(module, dist_module, path)
-    release_module(module, dist_module)
+    if delayed is not None:
+        delayed.release_module(module, dist_module)
     _attach_hooks(dist_module, reg)
     log.info("tensor parallelism: %s (%s) -> %s over %d ranks", path, type(module).__name__,
              reg.dist_module.__name__, ctx.size)

@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,9 @@ from ..mappings import (TPContext, copy_to_tensor_parallel_region,
                         gather_batch_from_tensor_parallel_group,
                         reduce_from_tensor_parallel_region,
                         scatter_batch_to_tensor_parallel_group)
+
+if TYPE_CHECKING:
+    from ...delayed_init import DelayedPlan
 
 __all__ = ["Split", "Arch", "ShardedLinear", "shard_block", "shard_state_dict",
            "gather_state_dict", "check_divisible", "installed_blocks"]
@@ -180,16 +183,20 @@ def _find(block: nn.Module, path: str) -> tuple[nn.Module | None, str]:
     return (parent if isinstance(getattr(parent, name, None), nn.Module) else None), name
 
 
-def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None:
+def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str, *,
+                delayed: DelayedPlan | None = None) -> None:
     """Split `block`'s projections in place and make it the unit that gathers the batch.
+
+    `delayed` (delayed initialization's plan): the block is realised in full first, and each
+    projection's whole tensors are released once sliced.
 
     Raises:
         SMPConfigError: a head count or width not divisible by tp.
         SMPUnsupportedError: a Linear/Conv1D of the block that `arch` does not know.
     """
-    from ...delayed_init import realise_module, release_module
     arch.fix_heads(block, ctx.size)  # checks divisibility before anything changes
-    realise_module(block)  # delayed init: the block in full, its projections freed once sliced
+    if delayed is not None:
+        delayed.realise_module(block)  # the block in full, its projections freed once sliced
     known = set()
     for split in arch.splits:
         parent, name = _find(block, split.path)
@@ -198,7 +205,8 @@ def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None
         original = getattr(parent, name)
         setattr(parent, name, ShardedLinear(original, style=split.style, parts=split.parts,
                                             conv1d=arch.conv1d, tp_context=ctx))
-        release_module(original, getattr(parent, name))
+        if delayed is not None:
+            delayed.release_module(original, getattr(parent, name))
         known.add(split.path)
     for sub_path, sub in block.named_modules():
         if _is_projection(sub) and sub_path not in known:
