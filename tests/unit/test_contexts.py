@@ -8,6 +8,9 @@ import torch
 
 import smdistributed.modelparallel.torch as smp
 from fp16_sdk.modelparallel.torch.contexts import creation_options
+from fp16_sdk.modelparallel.torch.creation_record import (CheckpointRequest, checkpoint_requests,
+                                                          recorded_partition, recorded_tp_options)
+from fp16_sdk.modelparallel.torch.state import state
 
 
 class Child(torch.nn.Module):
@@ -69,3 +72,24 @@ def test_setters_and_unknown_option_warns_once(caplog):
         smp.set_activation_checkpointing(m, strategy="sometimes")
     with pytest.raises(smp.SMPConfigError, match=r"partition index \(-1\)"):
         smp.partition(-1)
+
+
+def test_what_tp_pp_and_checkpointing_read_from_the_records():
+    """The rules beside CreationRecord (creation_record.py): nested tp_config merges (inner key
+    wins), a module with no record inherits (None), a setter outside every context records
+    tensor parallelism off for that module, as the contexts' base options say."""
+    with smp.tensor_parallelism(distribute_embedding=True, fused_softmax=True):
+        with smp.tensor_parallelism(fused_softmax=False), smp.partition(1):
+            inner = torch.nn.Linear(2, 2)
+    assert recorded_tp_options(state.creation, inner) == {
+        "enabled": True, "distribute_embedding": True, "fused_softmax": False}
+    assert recorded_partition(state.creation, inner) == 1
+    plain, placed = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    smp.set_partition(placed, 0)
+    assert recorded_tp_options(state.creation, plain) is None
+    assert recorded_partition(state.creation, plain) is None
+    assert recorded_tp_options(state.creation, placed) == {"enabled": False}
+    smp.set_activation_checkpointing(placed, preserve_rng_state=False)
+    assert (placed, CheckpointRequest(preserve_rng_state=False)) in \
+        checkpoint_requests(state.creation)
+    assert all(m is not plain for m, _ in checkpoint_requests(state.creation))

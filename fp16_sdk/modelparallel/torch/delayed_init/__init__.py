@@ -12,7 +12,8 @@ materialised by replaying each module's init, unit by unit.
     creation.py      the creation context: `meta_parameters()`, `not_delayed`
     meta.py          meta registration, one module's parameters real at a time
     hf_init.py       transformers models: recording (and, if none, supplying) each module's init
-    placeholders.py  per-rank placeholder shares: `replace_meta`, `is_delayed`, `full_numel`
+    placeholders.py  per-rank placeholder shares: `replace_meta`, `is_delayed`, `is_agreed`
+                     (a placeholder's full size: param_record.full_numel_of)
     agreement.py     RNG snapshots agreed from rank 0; modules that cannot be replayed refused
     materialise.py   `DelayedPlan`: realise / release placeholders, the memory figures
     wrap.py          at wrap: `begin` (the plan parallelize.py hands to TP distribution,
@@ -29,9 +30,9 @@ Design notes: docs/internals.md, "Delayed initialization: why realise-then-shard
 from .creation import meta_parameters, not_delayed
 from .first_step import FirstStepTrace, first_step_trace
 from .materialise import DelayedPlan, plan_of
-from .placeholders import full_numel, has_meta, is_agreed, is_delayed
+from .placeholders import has_meta, is_agreed, is_delayed
 from .wrap import after_tensor_parallel, begin
 
 __all__ = ["meta_parameters", "not_delayed", "begin", "after_tensor_parallel",
            "has_meta", "is_delayed", "is_agreed",
-           "full_numel", "DelayedPlan", "plan_of", "FirstStepTrace", "first_step_trace"]
+           "DelayedPlan", "plan_of", "FirstStepTrace", "first_step_trace"]

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from ..errors import SMPConfigError
-from ..param_record import module_record, param_record, update_param_record
+from ..param_record import full_numel_of, module_record, param_record, update_param_record
 from ..state import state
-from .placeholders import full_numel, is_delayed, pending_placeholder
+from .placeholders import is_delayed, pending_placeholder
 
 __all__ = ["DelayedPlan", "plan_of", "init_fn"]
 
@@ -57,7 +57,7 @@ class DelayedPlan:
         self.by_id = {id(m): m for m in self.modules}
         self.params = params
         self.partition = None
-        self.report = {"model_bytes": sum(full_numel(p) * p.element_size() for p in params),
+        self.report = {"model_bytes": sum(full_numel_of(p) * p.element_size() for p in params),
                        "materialised_bytes": 0, "live_bytes": 0, "peak_bytes": 0,
                        "local_bytes": 0, "layout": "whole model"}
 

@@ -210,8 +210,7 @@ def _attach_hooks(dist_module: nn.Module, reg: Registration) -> None:
 
 def distributed_modules(module: nn.Module) -> list[nn.Module]:
     """The outermost distributed modules inside module (what DistributedModel reports)."""
-    return [m for m in module.modules()
-            if module_record(m).distributed_module and not module_record(m).nested]
+    return [m for m in module.modules() if module_record(m).outermost_distributed]
 
 
 def is_distributed_parameter(param: torch.Tensor) -> bool:
@@ -221,4 +220,4 @@ def is_distributed_parameter(param: torch.Tensor) -> bool:
 
 def is_scaled_batch_parameter(param: torch.Tensor) -> bool:
     """True for every parameter of a distributed module (it sees the TP group's batch)."""
-    return param_record(param).scaled_batch or is_distributed_parameter(param)
+    return param_record(param).sees_tp_batch

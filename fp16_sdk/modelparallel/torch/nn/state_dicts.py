@@ -46,10 +46,9 @@ def _split_entries(module: nn.Module) -> dict[str, tuple[int, TPContext, int]]:
     entries = {}
     for prefix, m in module.named_modules():
         if isinstance(m, DistributedModule) and m.tp.size > 1:
-            record = module_record(m)
-            for name, dim in record.split_dims.items():
+            for name, (dim, parts) in module_record(m).splits().items():
                 key = f"{prefix}.{name}" if prefix else name
-                entries[key] = (dim, m.tp, record.split_parts.get(name, 1))
+                entries[key] = (dim, m.tp, parts)
     return entries
 
 
