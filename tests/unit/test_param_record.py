@@ -19,8 +19,9 @@ from helpers.paths import REPO
 
 from fp16_sdk.modelparallel.torch.checkpoint import safe_load
 from fp16_sdk.modelparallel.torch.param_record import (FunctionMark, ModuleRecord, ParamRecord,
-                                                       copy_param_record, full_shape_of,
-                                                       function_marked, mark_function,
+                                                       copy_param_record, full_numel_of,
+                                                       full_shape_of, function_marked,
+                                                       mark_function,
                                                        module_record, param_record,
                                                        update_module_record,
                                                        update_param_record)
@@ -77,6 +78,49 @@ def test_module_record_defaults_update_and_no_creation_on_read():
     assert "weight" in m.state_dict() and len(m.state_dict()) == 2  # no record in it
     with pytest.raises(TypeError, match="bogus"):
         update_module_record(m, bogus=1)
+
+
+# ---- the rules beside the records (docs/internals.md, "What they mean for the step") -----------
+
+@pytest.mark.parametrize("record, tp_rank, counts", [
+    (ParamRecord(), 0, True), (ParamRecord(), 1, False), (ParamRecord(), None, True),
+    (ParamRecord(distributed=True), 1, True),  # a TP shard counts on every TP rank
+    (ParamRecord(scaled_batch=True), 1, False),  # replicated over TP: tp_rank 0 only
+    (ParamRecord(distributed=True, tied_duplicate=True), 0, False),  # a tied copy: never
+    (ParamRecord(tied_duplicate=True), None, False),
+])
+def test_counts_in_norm(record, tp_rank, counts):
+    assert record.counts_in_norm(tp_rank) is counts
+
+
+def test_batch_agreement_and_size_rules():
+    assert [ParamRecord(**f).sees_tp_batch for f in
+            ({}, {"distributed": True}, {"scaled_batch": True})] == [False, True, True]
+    assert [ParamRecord(**f).agreed_by_construction for f in
+            ({}, {"delayed": True}, {"agreed": True})] == [False, True, True]
+    placeholder, realised = torch.zeros(0), torch.zeros(4, 8)
+    for t in (placeholder, realised):
+        update_param_record(t, full_shape=(4, 8))
+    assert [full_numel_of(t) for t in (placeholder, realised, torch.zeros(3, 5))] == [32, 32, 15]
+    assert full_numel_of(torch.zeros(0)) == 0  # empty and nothing recorded: empty
+
+
+def test_module_record_rules():
+    record = ModuleRecord(split_dims={"weight": 0, "bias": 0}, split_parts={"weight": 3})
+    assert record.splits() == {"weight": (0, 3), "bias": (0, 1)}
+    assert [ModuleRecord(**f).outermost_distributed for f in
+            ({}, {"distributed_module": True}, {"distributed_module": True, "nested": True})] \
+        == [False, True, False]
+
+
+def test_the_partial_key_is_spelled_once():
+    """`_smp_is_partial` (a checkpoint-format key) is written as a string in one module
+    (state_dict_keys.py); every other site names the constant."""
+    home = PACKAGE / "modelparallel" / "torch" / "state_dict_keys.py"
+    spelled = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path, tree in _sources()
+               if path != home for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and node.value == "_smp_is_partial"]
+    assert not spelled, "use state_dict_keys.PARTIAL_KEY:\n" + "\n".join(spelled)
 
 
 def test_a_module_record_can_be_written_before_module_init():

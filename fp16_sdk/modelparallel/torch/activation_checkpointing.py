@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import activation_offload as offload
+from .creation_record import checkpoint_requests
 from .errors import SMPConfigError
 from .param_record import FunctionMark, function_marked, mark_function, module_record, \
     update_module_record
@@ -71,10 +72,7 @@ def apply_recorded(root: nn.Module) -> None:
     from .state import state
 
     inside = {id(m) for m in root.modules()}
-    for module, record in list(state.creation.items()):
-        config = record.get("activation_checkpointing")
-        if config is None:
-            continue
+    for module, request in checkpoint_requests(state.creation):
         if id(module) not in inside:
             raise SMPConfigError(
                 f"smp.set_activation_checkpointing was called on a {type(module).__name__} "
@@ -82,7 +80,7 @@ def apply_recorded(root: nn.Module) -> None:
                 f"modules it distributes); call it after smp.DistributedModel(...) on the "
                 f"modules of model.get_module()", key="set_activation_checkpointing",
                 value=type(module).__name__)
-        apply_checkpointing(module, **config)
+        apply_checkpointing(module, **request.kwargs())
 
 
 def apply_checkpointing(module: nn.Module, *, preserve_rng_state: bool = True,

@@ -1,10 +1,9 @@
 """Creation-time context managers: they record, TP and PP act later.
 
 While any creation context is open, every `nn.Module` constructed records the options in force
-when its `__init__` started (innermost context wins) into `state.creation[module]`:
-`{"tensor_parallelism": bool, "tp_config": {...}, "partition": int | None,
-"delay_param_initialization": bool, "dtype": torch.dtype | None}`; `set_tensor_parallelism` /
-`set_partition` / `set_activation_checkpointing` write the same record for an existing module.
+when its `__init__` started (innermost context wins) into `state.creation[module]`, a
+`creation_record.CreationRecord` (the rules that read it are beside it); `set_tensor_parallelism`
+/ `set_partition` / `set_activation_checkpointing` write the same record for an existing module.
 `smp.tp_register*` live with the TP code (nn/registry.py).
 """
 
@@ -17,6 +16,7 @@ import threading
 import torch
 from torch import nn
 
+from .creation_record import CheckpointRequest, CreationRecord
 from .errors import SMPConfigError
 from .state import state
 
@@ -47,13 +47,8 @@ def _stack() -> list[dict]:
     return _local.stack
 
 
-def _current() -> dict:
-    options = {"tensor_parallelism": False, "tp_config": {}, "partition": None,
-               "delay_param_initialization": False, "dtype": None}
-    for frame in _stack():
-        for key, value in frame.items():
-            options[key] = dict(options["tp_config"], **value) if key == "tp_config" else value
-    return options
+def _current() -> CreationRecord:
+    return CreationRecord.of_frames(_stack())
 
 
 _original_init = nn.Module.__init__
@@ -99,10 +94,10 @@ def _check_options(options: dict) -> None:
 
 def current_tp_config() -> dict:
     """The tensor-parallel options of the innermost open creation context ({} outside)."""
-    return dict(_current()["tp_config"]) if _stack() else {}
+    return dict(_current().tp_config) if _stack() else {}
 
 
-def creation_options(module: nn.Module) -> dict | None:
+def creation_options(module: nn.Module) -> CreationRecord | None:
     """What the creation contexts recorded for `module` (None if nothing)."""
     return state.creation.get(module)
 
@@ -173,9 +168,8 @@ def model_creation(tensor_parallelism: bool = False, dtype: torch.dtype | None =
 
 
 def _record(module: nn.Module, **updates) -> None:
-    record = state.creation.get(module) or _current()
-    record.update(updates)
-    state.creation[module] = record
+    record = state.creation.get(module)
+    state.creation[module] = (record if record is not None else _current()).updated(**updates)
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **tp_config) -> None:
@@ -206,9 +200,9 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     from .activation_checkpointing import apply_checkpointing, check_strategy
 
     check_strategy(strategy, module)
-    config = {"preserve_rng_state": bool(preserve_rng_state),
-              "pack_args_as_tuple": bool(pack_args_as_tuple), "strategy": strategy}
-    _record(module, activation_checkpointing=config)
+    request = CheckpointRequest(preserve_rng_state=bool(preserve_rng_state),
+                                pack_args_as_tuple=bool(pack_args_as_tuple), strategy=strategy)
+    _record(module, activation_checkpointing=request)
     model = state.model
     if model is not None and any(m is module for m in model.module.modules()):
-        apply_checkpointing(module, **config)
+        apply_checkpointing(module, **request.kwargs())

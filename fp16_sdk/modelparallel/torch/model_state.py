@@ -22,12 +22,11 @@ from . import sharded_data_parallel
 from .errors import SMPError
 from .param_record import module_record, param_record
 from .state import state
+from .state_dict_keys import PARTIAL_KEY
 
 __all__ = ["named_modules_with_stage", "local_named_modules", "local_named_tensors",
            "full_state_dict", "full_state_dict_from", "prepare_state_dict_for_load", "local_state_dict",
-           "PARTIAL_KEY", "StateDicts"]
-
-PARTIAL_KEY = "_smp_is_partial"
+           "StateDicts"]
 
 
 def named_modules_with_stage(root: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:

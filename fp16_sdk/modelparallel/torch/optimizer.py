@@ -39,6 +39,7 @@ from .fp16.health import HealthLog
 from .fp16.loss_scaler import make_scaler
 from .precision_modes import PrecisionMode, Unpartitioned, build_mode
 from .state import state
+from .state_dict_keys import PARTIAL_KEY
 
 __all__ = ["DistributedOptimizer"]
 
@@ -364,7 +365,7 @@ class DistributedOptimizer:
         """
         del gather_if_shard  # slices carry their layout: see the docstring
         inner = self._mode.local_inner_state(self.optimizer.state_dict())
-        out = {"optimizer_state_dict": inner, "_smp_is_partial": True}
+        out = {"optimizer_state_dict": inner, PARTIAL_KEY: True}
         if not fp32_states_only:
             out.update({"loss_scaler": self.scaler.state_dict(),
                         "dynamic_loss_scale": self.scaler.dynamic, "overflow": self.overflow,
@@ -377,12 +378,12 @@ class DistributedOptimizer:
     def state_dict(self) -> dict:
         """The full optimizer state: this rank's, or every mp rank's when mp_size > 1."""
         local = self.local_state_dict()
-        local["_smp_is_partial"] = False
+        local[PARTIAL_KEY] = False
         if state.topology is None or state.topology.mp == 1:
             return local
         from . import comm
         states = comm.allgather(local, comm.CommGroup.MP_GROUP)
-        return {"_smp_is_partial": False, "mp_rank_states": states}
+        return {PARTIAL_KEY: False, "mp_rank_states": states}
 
     def load_state_dict(self, state_dict: dict, gather_if_shard: bool = False) -> None:
         """Restore what state_dict()/local_state_dict() produced (or a plain torch state dict).

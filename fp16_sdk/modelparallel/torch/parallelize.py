@@ -116,7 +116,7 @@ class ParallelPlan:
         """Steps 1-5 on the script's module (DistributedModel.__init__)."""
         self.delayed = delayed_init.begin(module, decide_partition=_decide_partition)  # 1
         if self.tensor_parallel:
-            module = distribute_tensor_parallel(module)  # 2
+            module = distribute_tensor_parallel(module, delayed=self.delayed)  # 2
         report = delayed_init.after_tensor_parallel(  # 3
             self.delayed, module, sharded=self.sharded, stage_held=held_before_trace)
         if report is not None and state.rank == 0:

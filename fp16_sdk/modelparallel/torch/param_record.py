@@ -6,7 +6,11 @@ forward...) that decide reduction groups, norms, state-dict layouts and material
 kind of fact is a field of a frozen dataclass with its default stated once; it is read through
 one accessor, written through one updater, and carried to a replacement tensor by one copier
 (Megatron's `set_tensor_model_parallel_attributes` / `copy_tensor_model_parallel_attributes`).
-docs/internals.md lists each field with its writers and readers.
+docs/internals.md lists each field with its writers and readers. The rules that combine
+fields are here too, as methods and functions, so a reader asks the record ("does this
+parameter see the TP group's batch?", "does it count in the norm on this TP rank?") rather
+than restating the rule: `ParamRecord.sees_tp_batch`, `.counts_in_norm`, `.agreed_by_construction`,
+`full_shape_of`, `full_numel_of`, `ModuleRecord.outermost_distributed`, `.splits`.
 
 Where the records live, and why: in one entry of the tensor's or module's `__dict__`
 (`_RECORD`), where the `_smp_*` attributes were, so a record goes wherever those went:
@@ -37,7 +41,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["ParamRecord", "param_record", "update_param_record", "copy_param_record",
-           "full_shape_of", "ModuleRecord", "module_record", "update_module_record",
+           "full_shape_of", "full_numel_of", "ModuleRecord", "module_record", "update_module_record",
            "FunctionMark", "mark_function", "function_marked"]
 
 
@@ -77,6 +81,27 @@ class ParamRecord:
     agreed: bool = False
     via_half: torch.dtype | None = None
 
+    @property
+    def sees_tp_batch(self) -> bool:
+        """Reduced and broadcast over the RDP group, not DP: a TP shard, or another parameter
+        of a distributed module (it sees the TP group's batch, identical on its ranks)."""
+        return self.distributed or self.scaled_batch
+
+    @property
+    def agreed_by_construction(self) -> bool:
+        """Equal on every rank without a broadcast: delayed, or a TP slice of a delayed weight."""
+        return self.delayed or self.agreed
+
+    def counts_in_norm(self, tp_rank: int | None) -> bool:
+        """Whether the gradient counts in the global norm on TP rank `tp_rank` (None: no
+        topology, it counts): a TP shard on every rank, a TP-replicated parameter on
+        tp_rank 0 only, a tied pipeline duplicate never."""
+        if self.tied_duplicate:
+            return False
+        if self.distributed:
+            return True
+        return tp_rank is None or tp_rank == 0
+
 
 _RECORD = "_smp_record"  # the one __dict__ entry of a tensor or module (module docstring)
 _NO_PARAM_RECORD = ParamRecord()
@@ -112,6 +137,18 @@ def full_shape_of(t: torch.Tensor) -> tuple[int, ...]:
     """The shape `t` was created with: its recorded `full_shape`, else its shape."""
     shape = param_record(t).full_shape
     return shape if shape is not None else tuple(t.shape)
+
+
+def full_numel_of(t: torch.Tensor) -> int:
+    """Elements of `t` as created: a 0-element tensor with a recorded `full_shape` (a delayed
+    placeholder, a tensor another pipeline stage holds) counts its full shape."""
+    shape = param_record(t).full_shape
+    if t.numel() == 0 and shape is not None:
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+    return t.numel()
 
 
 # ---- modules -----------------------------------------------------------------------------------
@@ -154,6 +191,16 @@ class ModuleRecord:
     delayed_rng: torch.Tensor | None = None
     hf_init: tuple[torch.Tensor, Callable] | None = None
     delayed_plan: Any = None
+
+    @property
+    def outermost_distributed(self) -> bool:
+        """A distributed module not nested in another (one DistributedModel reports)."""
+        return self.distributed_module and not self.nested
+
+    def splits(self) -> dict[str, tuple[int, int]]:
+        """Parameter name -> (the dim it is split along, the fused parts split on their own;
+        1 when not recorded) for every split parameter of the module."""
+        return {name: (dim, self.split_parts.get(name, 1)) for name, dim in self.split_dims.items()}
 
 
 def module_record(module: nn.Module) -> ModuleRecord:

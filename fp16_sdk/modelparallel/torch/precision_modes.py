@@ -44,13 +44,8 @@ __all__ = ["PrecisionMode", "FullPrecision", "Unpartitioned", "Masters", "FusedH
 def counts_in_norm(p) -> bool:
     """Whether a parameter's gradient counts in the global norm on this rank: a TP shard on
     every rank, a TP-replicated parameter on tp_rank 0 only, a tied pipeline duplicate never."""
-    record = param_record(p)  # per-tensor facts (param_record.py), not config
-    if record.tied_duplicate:
-        return False
-    if record.distributed:
-        return True
     topo = state.topology
-    return topo is None or topo.tp_rank(state.rank) == 0
+    return param_record(p).counts_in_norm(None if topo is None else topo.tp_rank(state.rank))
 
 
 class PrecisionMode:

@@ -24,8 +24,7 @@ __all__ = ["is_scaled_batch", "broadcast_replicas", "build_reducer", "release"]
 def is_scaled_batch(t) -> bool:
     """Reduced/broadcast over RDP: TP shards and other parameters of distributed modules
     (they see the TP group's batch, identical on its ranks); everything else over DP."""
-    record = param_record(t)
-    return record.distributed or record.scaled_batch
+    return param_record(t).sees_tp_batch
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:

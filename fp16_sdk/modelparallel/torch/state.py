@@ -10,8 +10,9 @@ Fields (docs/internals.md "Runtime state"), typed on the dataclass below:
 - model / optimizer: the one DistributedModel / DistributedOptimizer.
 - pending_resume: a `resume_from_checkpoint` made before the DistributedModel existed
   (checkpoint/resume.py), applied at the first `smp.step`.
-- creation: module -> options recorded by the creation contexts (contexts.py), read by TP and
-  PP at wrap time; creation_dtype is the dtype `model_creation(dtype=...)` last used;
+- creation: module -> the `CreationRecord` the creation contexts wrote (contexts.py,
+  creation_record.py), read by TP, PP and activation checkpointing at wrap time;
+  creation_dtype is the dtype `model_creation(dtype=...)` last used;
   delayed_init_report: the parameter memory delayed initialization materialised.
 - module_manager: `translate_functions`, the (smp_to_hf, hf_to_smp) state-dict pairs that
   transformers' `save_pretrained` applies under smp (nn/huggingface registers one per model).
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # annotations only: state.py imports nothing of the runtime a
 
     from .checkpoint.resume import PendingResume
     from .comm import ProcessGroups
+    from .creation_record import CreationRecord
     from .model import DistributedModel
     from .optimizer import DistributedOptimizer
     from .topology import Topology
@@ -79,7 +81,8 @@ class RuntimeState:
     optimizer: DistributedOptimizer | None = None
     module_manager: ModuleManager = field(default_factory=ModuleManager)
     pending_resume: PendingResume | None = None  # resume_from_checkpoint before the model
-    creation: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    creation: weakref.WeakKeyDictionary[torch.nn.Module, CreationRecord] = field(
+        default_factory=weakref.WeakKeyDictionary)
     creation_dtype: torch.dtype | None = None
     delayed_init_report: dict | None = None  # parameter bytes delayed init materialised
     in_step: bool = False

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import CheckpointError
 from ..state import state
+from ..state_dict_keys import PARTIAL_KEY
 from . import files
 from .collective import agree, allgather, gather_problems, raise_first
 from .files import NEWEST, IncompleteCheckpointError
@@ -320,7 +321,7 @@ def _resume_full(path: str, tag, strict: bool, translate_function, load):
     sd = load(target)
     if translate_function is not None:
         sd = translate_function(sd)
-    sd = {k: v for k, v in sd.items() if k != "_smp_is_partial"}
+    sd = {k: v for k, v in sd.items() if k != PARTIAL_KEY}
 
     def apply(model, optimizer):
         model.load_state_dict(sd, strict=strict)

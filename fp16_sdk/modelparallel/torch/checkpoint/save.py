@@ -12,6 +12,7 @@ import os
 
 from ..errors import CheckpointError
 from ..state import state
+from ..state_dict_keys import PARTIAL_KEY
 from . import files
 from .collective import agree, allgather, barrier
 from .files import MANIFEST, NEWEST, PLAN
@@ -150,7 +151,7 @@ def _save_full(path, tag, model, user_content, translate) -> None:
                               "model=<the smp.DistributedModel>")
     full = model.state_dict()  # collective over the mp group: every rank takes part
     if not translate:
-        full["_smp_is_partial"] = False
+        full[PARTIAL_KEY] = False
     if state.rank == 0:
         os.makedirs(path, exist_ok=True)
         if user_content is not None:  # first: the model file's rename commits the checkpoint

@@ -12,10 +12,12 @@ materialised by replaying each module's init, unit by unit.
     creation.py      the creation context: `meta_parameters()`, `not_delayed`
     meta.py          meta registration, one module's parameters real at a time
     hf_init.py       transformers models: recording (and, if none, supplying) each module's init
-    placeholders.py  per-rank placeholder shares: `replace_meta`, `is_delayed`, `full_numel`
+    placeholders.py  per-rank placeholder shares: `replace_meta`, `is_delayed`, `is_agreed`
+                     (a placeholder's full size: param_record.full_numel_of)
     agreement.py     RNG snapshots agreed from rank 0; modules that cannot be replayed refused
     materialise.py   `DelayedPlan`: realise / release placeholders, the memory figures
-    wrap.py          at wrap: `begin`, TP's `realise_module` / `release_module`,
+    wrap.py          at wrap: `begin` (the plan parallelize.py hands to TP distribution,
+                     which calls its `realise_module` / `release_module`),
                      `after_tensor_parallel` (who realises what, per layout)
     first_step.py    pp > 1, first step: the trace hooks the pipeline engine takes
 
@@ -28,9 +30,9 @@ Design notes: docs/internals.md, "Delayed initialization: why realise-then-shard
 from .creation import meta_parameters, not_delayed
 from .first_step import FirstStepTrace, first_step_trace
 from .materialise import DelayedPlan, plan_of
-from .placeholders import full_numel, has_meta, is_agreed, is_delayed
-from .wrap import after_tensor_parallel, begin, realise_module, release_module
+from .placeholders import has_meta, is_agreed, is_delayed
+from .wrap import after_tensor_parallel, begin
 
 __all__ = ["meta_parameters", "not_delayed", "begin", "after_tensor_parallel",
-           "realise_module", "release_module", "has_meta", "is_delayed", "is_agreed",
-           "full_numel", "DelayedPlan", "plan_of", "FirstStepTrace", "first_step_trace"]
+           "has_meta", "is_delayed", "is_agreed",
+           "DelayedPlan", "plan_of", "FirstStepTrace", "first_step_trace"]

@@ -14,7 +14,8 @@ creation cast to fp16/bf16 (the FP16 wrapper runs between) is rounded through th
 The script's RNG state is restored after each realisation, so wrap-time draws (smp.nn layers
 built by TP distribution) match eager. `release(params)` frees what a caller realised only
 for a while (a TP block once sliced, an FSDP unit once sharded, another stage's unit once
-traced).
+traced). Tensor-parallel distribution is handed the plan (parallelize.py) and calls
+`realise_module` / `release_module` around each module it slices.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 from torch import nn
 
 from ..errors import SMPConfigError
-from ..param_record import module_record, param_record
+from ..param_record import full_numel_of, module_record, param_record, update_param_record
 from ..state import state
-from .placeholders import full_numel, is_delayed, pending_placeholder
+from .placeholders import is_delayed, pending_placeholder
 
 __all__ = ["DelayedPlan", "plan_of", "init_fn"]
 
@@ -56,7 +57,7 @@ class DelayedPlan:
         self.by_id = {id(m): m for m in self.modules}
         self.params = params
         self.partition = None
-        self.report = {"model_bytes": sum(full_numel(p) * p.element_size() for p in params),
+        self.report = {"model_bytes": sum(full_numel_of(p) * p.element_size() for p in params),
                        "materialised_bytes": 0, "live_bytes": 0, "peak_bytes": 0,
                        "local_bytes": 0, "layout": "whole model"}
 
@@ -139,12 +140,28 @@ class DelayedPlan:
                 record[1](m)
 
     def release(self, params) -> None:
+        """Free the realised delayed parameters among `params` (back to 0-element)."""
         n = 0
         for p in params:
             if is_delayed(p) and p.numel():
                 n += p.nbytes
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._count(-n)
+
+    # ---- tensor-parallel distribution (nn/auto.py, nn/huggingface/_shard.py) ------------
+    def realise_module(self, module: nn.Module) -> None:
+        """`module` (a block or registered module about to be sliced) in full."""
+        self.realise(list(module.parameters()))
+
+    def release_module(self, module: nn.Module, replacement: nn.Module) -> None:
+        """The whole tensors of `module`, now sliced into `replacement`, whose parameters are
+        then equal on every rank by construction (recorded `agreed`: the wrap-time broadcast
+        skips them, as it skips realised ones, so no flat copy of them is made)."""
+        params = list(module.parameters())
+        if params and all(is_delayed(p) for p in params):
+            for p in replacement.parameters():
+                update_param_record(p, agreed=True)
+        self.release(params)
 
     def finish(self, layout: str) -> dict:
         """Record this rank's figures in state (the start-up line and the health log read

@@ -16,8 +16,7 @@ from torch import nn
 
 from ..param_record import param_record, update_param_record
 
-__all__ = ["has_meta", "is_delayed", "is_agreed", "pending_placeholder", "full_numel",
-           "replace_meta"]
+__all__ = ["has_meta", "is_delayed", "is_agreed", "pending_placeholder", "replace_meta"]
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -31,24 +30,13 @@ def is_delayed(t) -> bool:
 
 def is_agreed(t) -> bool:
     """Equal on every rank by construction: delayed, or a TP slice of a delayed weight."""
-    return is_delayed(t) or param_record(t).agreed
+    return param_record(t).agreed_by_construction
 
 
 def pending_placeholder(p) -> bool:
     record = param_record(p)
     return p.numel() == 0 and record.full_shape is not None and record.delayed \
         and record.full_shape != (0,)
-
-
-def full_numel(p) -> int:
-    """Elements of `p` as created (a placeholder counts its full shape)."""
-    shape = param_record(p).full_shape
-    if p.numel() == 0 and shape is not None:
-        n = 1
-        for d in shape:
-            n *= d
-        return n
-    return p.numel()
 
 
 def replace_meta(root: nn.Module) -> list[nn.Parameter]:

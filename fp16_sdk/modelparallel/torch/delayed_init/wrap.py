@@ -27,20 +27,21 @@ from typing import Any, Callable
 from torch import nn
 
 from ..errors import SMPConfigError
-from ..param_record import update_module_record, update_param_record
+from ..param_record import update_module_record
 from ..state import state
 from .agreement import agree_rng_snapshots, check_inits
 from .materialise import DelayedPlan
 from .placeholders import has_meta, is_delayed, replace_meta
 
-__all__ = ["begin", "realise_module", "release_module", "after_tensor_parallel"]
-
-_active: DelayedPlan | None = None  # between begin() and after_tensor_parallel(): TP realises
+__all__ = ["begin", "after_tensor_parallel"]
 
 
 def begin(root: nn.Module, *, decide_partition: Callable[[nn.Module], Any]) -> DelayedPlan | None:
     """At wrap, before TP: agree the snapshots, placeholders for the meta parameters, and
     (pp > 1) the partition from the full shapes. None for a model without meta parameters.
+    The plan is handed to TP distribution (parallelize.py), which realises each module it
+    slices in full and releases it once sliced (`DelayedPlan.realise_module` /
+    `release_module`).
 
     Args:
         root: the module given to DistributedModel.
@@ -50,8 +51,6 @@ def begin(root: nn.Module, *, decide_partition: Callable[[nn.Module], Any]) -> D
     Raises:
         SMPConfigError: pp > 1 with tp > 1, or a module whose init cannot be replayed.
     """
-    global _active
-    _active = None
     if not has_meta(root):
         return None
     topo = state.topology
@@ -69,27 +68,7 @@ def begin(root: nn.Module, *, decide_partition: Callable[[nn.Module], Any]) -> D
     plan = DelayedPlan(root, replace_meta(root))
     plan.partition = part
     update_module_record(root, delayed_plan=plan)
-    _active = plan
     return plan
-
-
-def realise_module(module: nn.Module) -> None:
-    """TP distribution: `module` (a block or registered module about to be sliced) in full."""
-    if _active is not None:
-        _active.realise(list(module.parameters()))
-
-
-def release_module(module: nn.Module, replacement: nn.Module) -> None:
-    """TP distribution: the whole tensors of `module`, now sliced into `replacement`, whose
-    parameters are then equal on every rank by construction (recorded `agreed`: the wrap-time
-    broadcast skips them, as it skips realised ones, so no flat copy of them is made)."""
-    if _active is None:
-        return
-    params = list(module.parameters())
-    if params and all(is_delayed(p) for p in params):
-        for p in replacement.parameters():
-            update_param_record(p, agreed=True)
-    _active.release(params)
 
 
 def after_tensor_parallel(plan: DelayedPlan | None, module: nn.Module, *, sharded: bool,
@@ -108,8 +87,6 @@ def after_tensor_parallel(plan: DelayedPlan | None, module: nn.Module, *, sharde
         The figures recorded in state (DelayedPlan.finish) when this realised the share,
         else None (no plan, or the sharding realises it).
     """
-    global _active
-    _active = None
     if plan is None:
         return None
     if module is not plan.root:  # TP replaced the root itself

@@ -14,8 +14,9 @@ a creation context or, when no context recorded anything, by default); after it,
 which nothing was split is an SMPConfigError naming its module types and the fixes, never a
 silent data-parallel run. The full/shard state dicts of the result are nn/state_dicts.py's.
 
-Record format (`state.creation[module]`, a dict): `"tensor_parallelism": bool` and
-`"tp_config": {key: value}` (the context's keyword arguments, e.g. distribute_embedding).
+Record format (`state.creation[module]`): a `creation_record.CreationRecord`, read through
+`recorded_tp_options` as {"enabled": bool, **tp_config} (the context's keyword arguments,
+e.g. distribute_embedding).
 """
 
 from __future__ import annotations
@@ -23,17 +24,21 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 
+from ..creation_record import recorded_tp_options
 from ..errors import SMPConfigError
 from ..param_record import module_record, param_record
 from .layers import DistributedModule
 from .mappings import TPContext, current_tp_context
 from .registry import Registration, registration_for
 from .state_dicts import shard_full_state_dict
+
+if TYPE_CHECKING:
+    from ..delayed_init import DelayedPlan
 
 __all__ = [
     "distribute_tensor_parallel",
@@ -51,20 +56,20 @@ def _recorded_options(module: nn.Module) -> dict | None:
     """{"enabled": bool, **tp_config} from state.creation, or None when nothing was recorded."""
     from ..state import state
 
-    record = state.creation.get(module) if state.creation is not None else None
-    if not record or "tensor_parallelism" not in record:
-        return None
-    return {"enabled": bool(record["tensor_parallelism"]), **dict(record.get("tp_config") or {})}
+    return recorded_tp_options(state.creation, module)
 
 
 def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | None = None,
-                               tp_context: TPContext | None = None) -> nn.Module:
+                               tp_context: TPContext | None = None,
+                               delayed: DelayedPlan | None = None) -> nn.Module:
     """Replace the outermost supported, TP-enabled modules of `module` by distributed ones.
 
     Args:
         module: the user's model (before DistributedModel wraps it).
         options: module -> {"enabled": bool, **kwargs} or None (default: state.creation).
         tp_context: the TP group (default: the running smp job's).
+        delayed: delayed initialization's plan (delayed_init.begin), or None: each module
+            distributed is realised in full before it is sliced and released after.
 
     Returns:
         The model, changed in place (or the replacement when the root itself is replaced).
@@ -75,14 +80,14 @@ def distribute_tensor_parallel(module: nn.Module, *, options: OptionsLookup | No
     lookup = options or _recorded_options
     if "transformers" in sys.modules:  # a Hugging Face model needs transformers imported
         from .huggingface import distribute_hf_blocks
-        distribute_hf_blocks(module, lookup=lookup, tp_context=ctx)
+        distribute_hf_blocks(module, lookup=lookup, tp_context=ctx, delayed=delayed)
     owners = _parameter_owners(module)
     root_opts = lookup(module)
     if root_opts and root_opts.get("enabled"):
-        replaced = _try_distribute(module, "<root>", root_opts, ctx, owners, module)
+        replaced = _try_distribute(module, "<root>", root_opts, ctx, owners, delayed)
         if replaced is not None:
             return replaced
-    _walk(module, "", root_opts, lookup, ctx, owners, module)
+    _walk(module, "", root_opts, lookup, ctx, owners, delayed)
     if not distributed_modules(module):
         raise _nothing_split_error(module, ctx.size)
     return module
@@ -102,18 +107,18 @@ def _nothing_split_error(module: nn.Module, tp: int) -> SMPConfigError:
         key="tensor_parallel_degree", value=tp)
 
 
-def _walk(parent, prefix, parent_opts, lookup, ctx, owners, root) -> None:
+def _walk(parent, prefix, parent_opts, lookup, ctx, owners, delayed) -> None:
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
         opts = lookup(child) or parent_opts
         if isinstance(child, DistributedModule) or module_record(child).distributed_module:
             continue  # an smp.nn module used directly, or a sharded HF block: distributed already
         if opts and opts.get("enabled"):
-            replaced = _try_distribute(child, path, opts, ctx, owners, root)
+            replaced = _try_distribute(child, path, opts, ctx, owners, delayed)
             if replaced is not None:
                 setattr(parent, name, replaced)
                 continue
-        _walk(child, path + ".", opts, lookup, ctx, owners, root)
+        _walk(child, path + ".", opts, lookup, ctx, owners, delayed)
 
 
 def _parameter_owners(root: nn.Module) -> dict[int, list[nn.Module]]:
@@ -126,18 +131,18 @@ def _parameter_owners(root: nn.Module) -> dict[int, list[nn.Module]]:
     return owners
 
 
-def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
+def _try_distribute(module, path, opts, ctx, owners, delayed) -> nn.Module | None:
     reg = registration_for(module)
     if reg is None or (reg.option and not opts.get(reg.option, False)):
         return None
-    from ..delayed_init import realise_module, release_module
     subtree = set(map(id, module.modules()))
     for p in module.parameters():
         if any(id(o) not in subtree for o in owners.get(id(p), [])):
             log.info("tensor parallelism: %s (%s) shares weights with another module; left whole",
                      path, type(module).__name__)
             return None
-    realise_module(module)  # delayed init: this module in full, freed once sliced
+    if delayed is not None:
+        delayed.realise_module(module)  # this module in full, freed once sliced
     args, kwargs = _constructor_args(module, reg, opts)
     if args is None:
         log.info("tensor parallelism: %s (%s) was created before its tp_register call; left "
@@ -149,7 +154,8 @@ def _try_distribute(module, path, opts, ctx, owners, root) -> nn.Module | None:
         log.info("tensor parallelism: %s (%s) left whole: %s", path, type(module).__name__, err)
         return None
     _copy_weights(module, dist_module, path)
-    release_module(module, dist_module)
+    if delayed is not None:
+        delayed.release_module(module, dist_module)
     _attach_hooks(dist_module, reg)
     log.info("tensor parallelism: %s (%s) -> %s over %d ranks", path, type(module).__name__,
              reg.dist_module.__name__, ctx.size)
@@ -204,8 +210,7 @@ def _attach_hooks(dist_module: nn.Module, reg: Registration) -> None:
 
 def distributed_modules(module: nn.Module) -> list[nn.Module]:
     """The outermost distributed modules inside module (what DistributedModel reports)."""
-    return [m for m in module.modules()
-            if module_record(m).distributed_module and not module_record(m).nested]
+    return [m for m in module.modules() if module_record(m).outermost_distributed]
 
 
 def is_distributed_parameter(param: torch.Tensor) -> bool:
@@ -215,4 +220,4 @@ def is_distributed_parameter(param: torch.Tensor) -> bool:
 
 def is_scaled_batch_parameter(param: torch.Tensor) -> bool:
     """True for every parameter of a distributed module (it sees the TP group's batch)."""
-    return param_record(param).scaled_batch or is_distributed_parameter(param)
+    return param_record(param).sees_tp_batch

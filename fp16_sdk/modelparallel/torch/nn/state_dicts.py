@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError
 from ..param_record import module_record
+from ..state_dict_keys import PARTIAL_KEY
 from .layers import DistributedModule
 from .mappings import TPContext, _all_gather
 
@@ -45,10 +46,9 @@ def _split_entries(module: nn.Module) -> dict[str, tuple[int, TPContext, int]]:
     entries = {}
     for prefix, m in module.named_modules():
         if isinstance(m, DistributedModule) and m.tp.size > 1:
-            record = module_record(m)
-            for name, dim in record.split_dims.items():
+            for name, (dim, parts) in module_record(m).splits().items():
                 key = f"{prefix}.{name}" if prefix else name
-                entries[key] = (dim, m.tp, record.split_parts.get(name, 1))
+                entries[key] = (dim, m.tp, parts)
     return entries
 
 
@@ -87,7 +87,7 @@ def shard_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any]) -> O
     Raises:
         CheckpointError: a sharded key's tensor has neither the full nor the local shape.
     """
-    out = OrderedDict((k, v) for k, v in state_dict.items() if k != "_smp_is_partial")
+    out = OrderedDict((k, v) for k, v in state_dict.items() if k != PARTIAL_KEY)
     current = module.state_dict()
     for key, (dim, ctx, parts) in _split_entries(module).items():
         if key not in out:

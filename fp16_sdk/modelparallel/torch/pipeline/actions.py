@@ -1,16 +1,13 @@
 """The vocabulary of pipeline schedules: actions (`F3`, `B3`, `O3`) and the messages each
 implies (`messages()`, the table in schedule.py's module doc). Both the simulator
 (simulate.py) and the executor (executor.py) read communication from `messages()`; the
-schedules themselves, built from these actions, are schedule.py's."""
+schedules themselves, built from these actions, are schedule.py's. A leaf of the pipeline's
+schedule modules: it needs only the number of stages, never a schedule."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: schedule.py builds on this module
-    from .schedule import Schedule
 
 __all__ = ["Kind", "Action", "Message", "F", "B", "O", "messages"]
 
@@ -56,10 +53,9 @@ class Message:
     mb: int
 
 
-def messages(schedule_or_p: Schedule | int, stage: int,
-             action: Action) -> tuple[list[Message], list[Message]]:
-    """The (receives, sends) that `action` performs on `stage` (the table in the module doc)."""
-    p = schedule_or_p if isinstance(schedule_or_p, int) else schedule_or_p.num_stages
+def messages(p: int, stage: int, action: Action) -> tuple[list[Message], list[Message]]:
+    """The (receives, sends) that `action` performs on `stage` of a `p`-stage pipeline (the
+    table in schedule.py's module doc)."""
     last, mb = p - 1, action.mb
     recvs: list[Message] = []
     sends: list[Message] = []

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..creation_record import recorded_partition
 from ..errors import StepError
 from ..param_record import full_shape_of, module_record
 from ..state import state
@@ -77,7 +78,7 @@ class PipelineSettings:
                    microbatches=cfg.microbatches, active_microbatches=cfg.active_microbatches,
                    memory_weight=cfg.memory_weight, auto_partition=cfg.auto_partition,
                    default_partition=cfg.default_partition, rank=state.rank,
-                   recorded=lambda m: (state.creation.get(m) or {}).get("partition"))
+                   recorded=lambda m: recorded_partition(state.creation, m))
 
     def partition(self, module: nn.Module) -> Partition:
         """The partition these settings give `module` (the engine's at the first step, and

@@ -36,8 +36,8 @@ from typing import Callable
 
 from torch import nn
 
-from ..delayed_init import full_numel  # delayed init's placeholders count as created
 from ..errors import SMPConfigError
+from ..param_record import full_numel_of  # delayed init's placeholders count as created
 
 __all__ = ["Partition", "find_blocks", "balance", "auto_partition", "manual_partition"]
 
@@ -95,7 +95,7 @@ class Partition:
 
 
 def _count(module: nn.Module) -> int:
-    return sum(full_numel(p) for p in module.parameters())
+    return sum(full_numel_of(p) for p in module.parameters())
 
 
 def find_blocks(module: nn.Module) -> tuple[str, list[str]]:
@@ -143,7 +143,7 @@ def _compute_params(module: nn.Module) -> int:
     """Parameters used in matrix products: everything but embedding tables."""
     tables = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) or
               "Embedding" in type(m).__name__ for p in m.parameters(recurse=False)}
-    return sum(full_numel(p) for p in module.parameters() if id(p) not in tables)
+    return sum(full_numel_of(p) for p in module.parameters() if id(p) not in tables)
 
 
 def _param_owners(module, blocks, block_stage, pre, post, p) -> dict[str, int]:

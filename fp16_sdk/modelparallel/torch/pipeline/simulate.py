@@ -17,15 +17,36 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import SMPError
 from .actions import Action, Kind, messages
 
-if TYPE_CHECKING:  # annotations only: schedule.py renders its grids with this simulator
-    from .schedule import Schedule
+__all__ = ["ScheduleError", "Event", "SimulationResult", "ActionLists", "simulate",
+           "check_schedule"]
 
-__all__ = ["ScheduleError", "Event", "SimulationResult", "simulate", "check_schedule"]
+
+class ActionLists(Protocol):
+    """What the simulator reads of a schedule (`schedule.Schedule` is one; schedule.py renders
+    its grids with this simulator, so this module does not import it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def num_microbatches(self) -> int: ...
+
+    @property
+    def active_microbatches(self) -> int | None: ...
+
+    @property
+    def stages(self) -> tuple[tuple[Action, ...], ...]: ...
+
+    @property
+    def backward_microbatches(self) -> tuple[int, ...]: ...
 
 
 class ScheduleError(SMPError, RuntimeError):
@@ -64,7 +85,7 @@ def _cost(action: Action, t_f: float, t_b: float) -> float:
     return {Kind.FORWARD: t_f, Kind.BACKWARD: t_b, Kind.RECV_OUTPUT: 0.0}[action.kind]
 
 
-def _check_coverage(schedule: Schedule) -> None:
+def _check_coverage(schedule: ActionLists) -> None:
     p, m = schedule.num_stages, schedule.num_microbatches
     backwards = schedule.backward_microbatches
     for s, actions in enumerate(schedule.stages):
@@ -84,18 +105,18 @@ def _check_coverage(schedule: Schedule) -> None:
                 raise ScheduleError(f"stage {s}: {a} comes before F{a.mb}")
 
 
-def _blocked_report(schedule: Schedule, pos: list[int], channel, taken) -> str:
+def _blocked_report(schedule: ActionLists, pos: list[int], channel, taken) -> str:
     lines = []
     for s, actions in enumerate(schedule.stages):
         if pos[s] < len(actions):
-            recvs, _ = messages(schedule, s, actions[pos[s]])
+            recvs, _ = messages(schedule.num_stages, s, actions[pos[s]])
             waits = [f"{r.what}{r.mb} from stage {r.src}" for r in recvs
                      if len(channel[(r.src, r.dst)]) <= taken[(r.src, r.dst)]]
             lines.append(f"stage {s} at {actions[pos[s]]} waits for {', '.join(waits)}")
     return "; ".join(lines)
 
 
-def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0) -> SimulationResult:
+def simulate(schedule: ActionLists, *, t_f: float = 1.0, t_b: float = 1.0) -> SimulationResult:
     """Run the schedule on the event model above.
 
     Raises:
@@ -118,7 +139,7 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0) -> Simul
             if pos[s] == len(schedule.stages[s]):
                 continue
             action = schedule.stages[s][pos[s]]
-            recvs, sends = messages(schedule, s, action)
+            recvs, sends = messages(p, s, action)
             if any(len(channel[(r.src, r.dst)]) <= taken[(r.src, r.dst)] for r in recvs):
                 continue
             ready = clock[s]
@@ -159,7 +180,7 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0) -> Simul
                             tuple(max_in_flight), tuple(timeline))
 
 
-def check_schedule(schedule: Schedule) -> SimulationResult:
+def check_schedule(schedule: ActionLists) -> SimulationResult:
     """Simulate with unit costs and enforce the in-flight bound the schedule was built for.
 
     Raises:

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..delayed_init import DelayedPlan, full_numel
+from ..delayed_init import DelayedPlan
 from ..errors import SMPConfigError
-from ..param_record import ParamRecord, param_record, update_param_record
+from ..param_record import ParamRecord, full_numel_of, param_record, update_param_record
 from ..state import state
 from .settings import is_sharded
 from .zero_names import zero_partition
@@ -72,7 +72,7 @@ def shard_model(module: nn.Module, *, delayed: DelayedPlan | None) -> dict:
                if param_record(p) != ParamRecord()}
     half = {p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)}
     threshold = cfg.sdp_param_persistence_threshold
-    ignored = {p for p in params if full_numel(p) < threshold or not p.requires_grad}
+    ignored = {p for p in params if full_numel_of(p) < threshold or not p.requires_grad}
     ignored_ids = {id(p) for p in ignored}
     with torch.no_grad():
         for p in params:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.nn as nn
 
 from ..mappings import TPContext
 from ._shard import Arch, shard_block
+
+if TYPE_CHECKING:
+    from ...delayed_init import DelayedPlan
 
 __all__ = ["gpt2", "gptj", "gpt_neox", "bert", "llama", "supported_blocks",
            "distribute_hf_blocks"]
@@ -38,7 +41,7 @@ def supported_blocks() -> dict[type, Arch]:
 
 
 def distribute_hf_blocks(root: nn.Module, *, lookup: Callable[[nn.Module], "dict | None"],
-                         tp_context: TPContext) -> list[str]:
+                         tp_context: TPContext, delayed: DelayedPlan | None = None) -> list[str]:
     """Split every TP-enabled supported HF block under root in place (the mechanism:
     docs/internals.md).
 
@@ -46,6 +49,8 @@ def distribute_hf_blocks(root: nn.Module, *, lookup: Callable[[nn.Module], "dict
         root: the model given to DistributedModel.
         lookup: module -> {"enabled": bool, ...} recorded by the creation contexts, or None.
         tp_context: the TP group.
+        delayed: delayed initialization's plan, or None (shard_block realises each block
+            in full before slicing it).
 
     Returns:
         The paths of the split blocks.
@@ -62,7 +67,7 @@ def distribute_hf_blocks(root: nn.Module, *, lookup: Callable[[nn.Module], "dict
         arch = table.get(type(module))
         if arch is not None and type(module) not in _REGISTRY:
             if opts is None or opts.get("enabled"):
-                shard_block(module, arch, tp_context, path or "<root>")
+                shard_block(module, arch, tp_context, path or "<root>", delayed=delayed)
                 split.append(path)
                 if hf_root is not None and all(r is not hf_root for r in hf_roots):
                     hf_roots.append(hf_root)

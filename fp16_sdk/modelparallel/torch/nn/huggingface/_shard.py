@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ...errors import SMPUnsupportedError
 from ...param_record import update_module_record, update_param_record
+from ...state_dict_keys import PARTIAL_KEY
 from ..state_dicts import gather_tensor, shard_tensor
 from ..layers import DistributedModule, check_divisible
 from ..mappings import (TPContext, copy_to_tensor_parallel_region,
@@ -28,10 +29,12 @@ from ..mappings import (TPContext, copy_to_tensor_parallel_region,
                         reduce_from_tensor_parallel_region,
                         scatter_batch_to_tensor_parallel_group)
 
+if TYPE_CHECKING:
+    from ...delayed_init import DelayedPlan
+
 __all__ = ["Split", "Arch", "ShardedLinear", "shard_block", "shard_state_dict",
            "gather_state_dict", "check_divisible", "installed_blocks"]
 
-_PARTIAL = "_smp_is_partial"
 # Block arguments that are not batch-first even when their dim 0 happens to equal the batch.
 _NOT_BATCH = frozenset({"cache_position", "use_cache", "output_attentions"})
 
@@ -180,16 +183,20 @@ def _find(block: nn.Module, path: str) -> tuple[nn.Module | None, str]:
     return (parent if isinstance(getattr(parent, name, None), nn.Module) else None), name
 
 
-def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None:
+def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str, *,
+                delayed: DelayedPlan | None = None) -> None:
     """Split `block`'s projections in place and make it the unit that gathers the batch.
+
+    `delayed` (delayed initialization's plan): the block is realised in full first, and each
+    projection's whole tensors are released once sliced.
 
     Raises:
         SMPConfigError: a head count or width not divisible by tp.
         SMPUnsupportedError: a Linear/Conv1D of the block that `arch` does not know.
     """
-    from ...delayed_init import realise_module, release_module
     arch.fix_heads(block, ctx.size)  # checks divisibility before anything changes
-    realise_module(block)  # delayed init: the block in full, its projections freed once sliced
+    if delayed is not None:
+        delayed.realise_module(block)  # the block in full, its projections freed once sliced
     known = set()
     for split in arch.splits:
         parent, name = _find(block, split.path)
@@ -198,7 +205,8 @@ def shard_block(block: nn.Module, arch: Arch, ctx: TPContext, path: str) -> None
         original = getattr(parent, name)
         setattr(parent, name, ShardedLinear(original, style=split.style, parts=split.parts,
                                             conv1d=arch.conv1d, tp_context=ctx))
-        release_module(original, getattr(parent, name))
+        if delayed is not None:
+            delayed.release_module(original, getattr(parent, name))
         known.add(split.path)
     for sub_path, sub in block.named_modules():
         if _is_projection(sub) and sub_path not in known:
@@ -308,7 +316,7 @@ def shard_state_dict(state_dict: Mapping[str, Any], arch: Arch, *, tp_rank: int,
     rules = arch.key_rules()
     out = {}
     for key, value in state_dict.items():
-        if key == _PARTIAL:
+        if key == PARTIAL_KEY:
             continue
         rule = _rule_for(key, rules) if isinstance(value, torch.Tensor) else None
         out[key] = value if rule is None else shard_tensor(value, rule[0], rule[1], tp_size,
@@ -320,7 +328,7 @@ def gather_state_dict(state_dict: Mapping[str, Any], arch: Arch, *, group: Any) 
     """Every TP rank's shards (same keys on every rank) -> the full HF state dict. Collective:
     every rank of `group` calls it; split keys are gathered in sorted order."""
     rules = arch.key_rules()
-    out = {k: v for k, v in state_dict.items() if k != _PARTIAL}
+    out = {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
     for key in sorted(out):
         rule = _rule_for(key, rules) if isinstance(out[key], torch.Tensor) else None
         if rule is not None:
@@ -348,10 +356,10 @@ def to_smdistributed(arch: Arch, state_dict: Mapping[str, Any], tp_rank: int | N
 def to_hf(arch: Arch, state_dict: Mapping[str, Any], partial: bool | None) -> dict:
     """The public `translate_state_dict_to_hf_<arch>`: a full dict passes through (no
     communication, any one rank may call it); a partial one is gathered (every TP rank calls)."""
-    partial = bool(state_dict.get(_PARTIAL, False)) if partial is None else partial
+    partial = bool(state_dict.get(PARTIAL_KEY, False)) if partial is None else partial
     if not partial:
-        return {k: v for k, v in state_dict.items() if k != _PARTIAL}
+        return {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
     _, size, group = default_tp()
     if size == 1:
-        return {k: v for k, v in state_dict.items() if k != _PARTIAL}
+        return {k: v for k, v in state_dict.items() if k != PARTIAL_KEY}
     return gather_state_dict(state_dict, arch, group=group)
