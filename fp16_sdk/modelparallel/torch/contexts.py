@@ -211,4 +211,4 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     _record(module, activation_checkpointing=config)
     model = state.model
     if model is not None and any(m is module for m in model.module.modules()):
-        apply_checkpointing(module, **config)
+        apply_checkpointing(module, model=model, **config)
