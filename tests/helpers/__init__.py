@@ -38,6 +38,8 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
   when fit() hangs) and `check_forged_failure`, for local_process and Docker.
 - `forked_sdk`: `run_driver`, an SDK that starts a job with wait=False and forks a child that
   exits normally, for local_process and Docker.
+- `import_graph`: `import_graph()` (fp16_sdk module -> the fp16_sdk modules it imports, read
+  with ast, type-only imports included) and `cycles(graph)`, for the import tests.
 
 No test module imports another (tests/unit/test_import_boundaries.py checks it): what two test
 files share lives here. This list names every module of the package, and only those

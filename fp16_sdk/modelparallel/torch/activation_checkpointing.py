@@ -15,6 +15,8 @@ children checkpointed: strategy "each" one checkpoint per child; on an `nn.Seque
 pipeline stage per checkpoint (groups never cross a stage boundary). A group runs as one
 checkpoint started by its first child, whose call computes the whole group; the other children
 then hand that result on (an nn.Sequential feeds each child the previous one's output).
+The stages come from the pipeline of the DistributedModel the caller names (`model`, held
+weakly), read when the groups are first built: at the first forward, after partitioning.
 
 Pipeline stages: the pipeline patches its blocks' `forward` (stage_forward.py) and keeps their
 own computation as its record's `stage_inner`; checkpointing wraps that computation, so a block of
@@ -32,6 +34,8 @@ from __future__ import annotations
 import functools
 import re
 import threading
+import weakref
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -42,6 +46,9 @@ from .creation_record import checkpoint_requests
 from .errors import SMPConfigError
 from .param_record import FunctionMark, function_marked, mark_function, module_record, \
     update_module_record
+
+if TYPE_CHECKING:
+    from .protocols import SteppedModel
 
 __all__ = ["STRATEGY_PATTERN", "apply_recorded", "apply_checkpointing", "check_strategy"]
 
@@ -62,8 +69,9 @@ def check_strategy(strategy: str, module: nn.Module) -> None:
             key="strategy", value=strategy)
 
 
-def apply_recorded(root: nn.Module) -> None:
-    """Apply every recorded set_activation_checkpointing request for modules under root.
+def apply_recorded(root: nn.Module, *, model: SteppedModel) -> None:
+    """Apply every recorded set_activation_checkpointing request for modules under root, the
+    module `model` (the DistributedModel being built) wraps.
 
     Raises:
         SMPConfigError: a request for a module that is not part of root (e.g. one that
@@ -80,12 +88,14 @@ def apply_recorded(root: nn.Module) -> None:
                 f"modules it distributes); call it after smp.DistributedModel(...) on the "
                 f"modules of model.get_module()", key="set_activation_checkpointing",
                 value=type(module).__name__)
-        apply_checkpointing(module, **request.kwargs())
+        apply_checkpointing(module, model=model, **request.kwargs())
 
 
 def apply_checkpointing(module: nn.Module, *, preserve_rng_state: bool = True,
-                        pack_args_as_tuple: bool = False, strategy: str = "each") -> None:
-    """Checkpoint `module` (or its children, for containers) now; idempotent."""
+                        pack_args_as_tuple: bool = False, strategy: str = "each",
+                        model: SteppedModel | None = None) -> None:
+    """Checkpoint `module` (or its children, for containers) now; idempotent. `model`: the
+    DistributedModel holding it, whose pipeline stages bound the groups (None: no model)."""
     check_strategy(strategy, module)
     if not isinstance(module, (nn.Sequential, nn.ModuleList)):
         _checkpoint_module(module, preserve_rng_state)
@@ -98,8 +108,20 @@ def apply_checkpointing(module: nn.Module, *, preserve_rng_state: bool = True,
         return
     size = None if strategy == "contiguous" else int(strategy.split("_")[1])
     update_module_record(module, checkpoint_groups=(size, preserve_rng_state))
+    pipeline_of = _pipeline_of(model)
     for child in module:
-        _set_inner(child, _group_member(child, module, _inner(child)))
+        _set_inner(child, _group_member(child, module, _inner(child), pipeline_of))
+
+
+def _pipeline_of(model: SteppedModel | None) -> Callable[[], object]:
+    """model's PipelineEngine when called (None without one), held weakly: the callable lives
+    in forwards patched onto the model's own modules."""
+    ref = weakref.ref(model) if model is not None else None
+
+    def pipeline():
+        owner = ref() if ref is not None else None
+        return owner.pipeline if owner is not None else None
+    return pipeline
 
 
 # ---- one module ---------------------------------------------------------------------------------
@@ -136,14 +158,14 @@ def _checkpoint_module(module: nn.Module, preserve_rng_state: bool) -> None:
 
 # ---- groups of an nn.Sequential -----------------------------------------------------------------
 
-def _group_member(child: nn.Module, seq: nn.Sequential, own_inner):
+def _group_member(child: nn.Module, seq: nn.Sequential, own_inner, pipeline_of):
     def forward(x, *args, **kwargs):
         active = getattr(_groups, "active", None)
         if active is not None and active[0] is seq and any(c is child for c in active[1][1:]):
             if active[1][-1] is child:
                 _groups.active = None
             return x  # the group's first member computed the whole group already
-        group = _group_of(seq, child)
+        group = _group_of(seq, child, pipeline_of)
         if not torch.is_grad_enabled() or args or kwargs:
             return own_inner(x, *args, **kwargs)
         if group[0] is not child:
@@ -168,10 +190,10 @@ def _run_group(inners, x):
     return x
 
 
-def _group_of(seq: nn.Sequential, child: nn.Module) -> list[nn.Module]:
+def _group_of(seq: nn.Sequential, child: nn.Module, pipeline_of) -> list[nn.Module]:
     groups = module_record(seq).group_list
     if groups is None:
-        groups = _make_groups(seq)
+        groups = _make_groups(seq, pipeline_of())
         update_module_record(seq, group_list=groups)
     for group in groups:
         if any(c is child for c in group):
@@ -181,10 +203,11 @@ def _group_of(seq: nn.Sequential, child: nn.Module) -> list[nn.Module]:
     raise AssertionError("child not in its Sequential's groups")
 
 
-def _make_groups(seq: nn.Sequential) -> list[list[nn.Module]]:
-    """Runs of children on one pipeline stage, cut into pieces of the group size."""
+def _make_groups(seq: nn.Sequential, engine) -> list[list[nn.Module]]:
+    """Runs of children on one pipeline stage (`engine`'s, or None), cut into pieces of the
+    group size."""
     size, _ = module_record(seq).checkpoint_groups
-    stages = _stages(seq)
+    stages = _stages(seq, engine)
     children = list(seq)
     runs: list[list[nn.Module]] = []
     for i, child in enumerate(children):
@@ -195,11 +218,8 @@ def _make_groups(seq: nn.Sequential) -> list[list[nn.Module]]:
     return runs
 
 
-def _stages(seq: nn.Sequential) -> list[int]:
+def _stages(seq: nn.Sequential, engine) -> list[int]:
     """Pipeline stage of each child: the partition's when seq is the block list, else 0s."""
-    from .state import state
-
-    engine = state.model.pipeline if state.model is not None else None
     if engine is not None:
         part = engine.partition
         if engine.module.get_submodule(part.blocks_path) is seq:

@@ -205,4 +205,4 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     _record(module, activation_checkpointing=request)
     model = state.model
     if model is not None and any(m is module for m in model.module.modules()):
-        apply_checkpointing(module, **request.kwargs())
+        apply_checkpointing(module, model=model, **request.kwargs())

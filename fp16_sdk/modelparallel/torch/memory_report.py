@@ -80,7 +80,7 @@ def health_figures(opt) -> str:
     parts = [f"optimizer state {_mib(opt.state_bytes())}/rank"
              + (f" (1/{state.topology.rdp} sharded)" if state.cfg.shard_optimizer_state
                 or state.cfg.sharded_data_parallel_degree > 1 else "")]
-    model = state.model
+    model = opt.model  # the DistributedModel bound to the optimizer
     if model is not None and model.shards_parameters:
         from .sharded_data_parallel import parameter_bytes
         here, full = parameter_bytes(model.get_module())

@@ -44,11 +44,12 @@ from .module_levels import ModuleLevel, build_levels
 from .model_views import LocalViews
 from .grad_sync import GradSyncProgress, unreduce
 from .parallelize import ParallelPlan
-from .reducer import GradReducer, ReductionGroup
+from .reducer import GradDivisors, GradReducer, ReductionGroup
 from .state import state
 
 if TYPE_CHECKING:
     from .pipeline.engine import PipelineEngine
+    from .protocols import BoundOptimizer
 
 __all__ = ["DistributedModel"]
 
@@ -106,7 +107,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._wrapped_input = weakref.ref(module)  # what the script passed (TP may replace it)
         self._wrap_args = given
         self._plan = ParallelPlan.from_state()  # the order of the steps: parallelize.py
-        wrapped = self._plan.wrap(module)
+        wrapped = self._plan.wrap(module, model=self)
         self.module = wrapped.module
         # not a submodule: no key prefix
         object.__setattr__(self, "_forward_module", wrapped.forward_module)
@@ -131,7 +132,10 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._pending_load = None
         self._sdp: dict | None = None     # sharded data parallelism: shard_model's figures
         self._grad_sync = GradSyncProgress(backward_passes_per_step)
-        state.model = self
+        self._optimizer: BoundOptimizer | None = None
+        state.model = self  # what the smp API finds (state.py)
+        if state.optimizer is not None:  # the optimizer came first: bind to it (protocols.py)
+            self.bind(state.optimizer)
         if not self.pipelined:
             self.get_module().to(state.device)
             self.on_partitioned()
@@ -146,6 +150,28 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
             raise SMPError(f"smp.DistributedModel: this module is already wrapped with other "
                            f"arguments ({detail}); wrap it once, or pass the same arguments")
+
+    # ---- the optimizer bound to this model (protocols.py) ---------------------------------
+    @property
+    def optimizer(self) -> BoundOptimizer | None:
+        """The smp.DistributedOptimizer bound to this model (None until one exists)."""
+        return self._optimizer
+
+    def bind(self, optimizer: BoundOptimizer) -> None:
+        """Bind `optimizer` and this model to each other (`model.optimizer`,
+        `optimizer.model`). Called by whichever of the two is created second, never by
+        scripts; a later DistributedOptimizer takes the earlier one's place."""
+        self._optimizer = optimizer
+        optimizer.model = self
+
+    @property
+    def grad_divisors(self) -> GradDivisors:
+        """What each reduced gradient is divided by (reducer.GradDivisors): this job's dp,
+        rdp, microbatches and prescaled_batch, and `average_grads_across_microbatches`."""
+        topo, cfg = state.topology, state.cfg
+        return GradDivisors.of(dp=topo.dp, rdp=topo.rdp, microbatches=cfg.microbatches,
+                               average_over_microbatches=self.average_grads_across_microbatches,
+                               prescaled_batch=cfg.prescaled_batch)
 
     # ---- what the pipeline engine, smp.step and checkpoints see (pipeline/host.py) ----------
     finishes_pipeline_steps = True  # smp.step ends each step (end_step): PipelineHost
@@ -235,9 +261,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
     def _build_reducer(self) -> GradReducer:
         params = [p for p in self.local_parameters()
                   if not sharded_data_parallel.is_sharded(p)]  # FSDP reduces its own
-        return replicas.build_reducer(
-            params, average_over_microbatches=self.average_grads_across_microbatches,
-            **self._reducer_options())
+        return replicas.build_reducer(params, divisors=self.grad_divisors,
+                                      **self._reducer_options())
 
     def release_from_reducer(self, params) -> dict[int, ReductionGroup]:
         """Stop reducing `params` (shard_optimizer_state reduce-scatters them itself; called by
@@ -255,7 +280,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         parallelize.py step 9; else the first step; called by the runtime, never by scripts)."""
         self._hooks_ran = True
         for hook in list(self._post_partition_hooks.values()):
-            hook(self, state.optimizer)
+            hook(self, self._optimizer)
         if self._pending_load is not None:
             sd, strict, same = self._pending_load
             self._pending_load = None
@@ -290,7 +315,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         """
         held = self._grad_sync.take_held()  # empty but at the step's first backward
         if held:
-            factor = state.cfg.microbatches if self.average_grads_across_microbatches else 1
+            factor = self.grad_divisors.microbatches  # what the reduction divided by
             copies = self._pipeline.tied_copies() if self._pipeline is not None else set()
             unreduce(held, factor=factor, reducer=self._reducer, tied_copies=copies)
         if self._reducer is not None and not self._reducer.armed:
@@ -321,7 +346,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         hooks = list(self._post_step_hooks.values())
         self._post_step_hooks.clear()
         for hook in hooks:
-            hook(self, state.optimizer)
+            hook(self, self._optimizer)
 
     # ---- forward / backward -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -349,7 +374,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             grad_tensors = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) \
                 else [grad_tensors]
         if state.cfg.fp16:
-            scale = state.optimizer.loss_scale if state.optimizer is not None else 1.0
+            scale = self._optimizer.loss_scale if self._optimizer is not None else 1.0
             if grad_tensors is None:
                 tensors = [t.float() * scale for t in tensors]
             else:
@@ -376,8 +401,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         Returns:
             A RemovableHandle, or None when the hook ran at once.
         """
-        if self._hooks_ran and state.optimizer is not None:
-            hook(self, state.optimizer)
+        if self._hooks_ran and self._optimizer is not None:
+            hook(self, self._optimizer)
             return None
         handle = RemovableHandle(self._post_step_hooks)
         self._post_step_hooks[handle.id] = hook

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from .fp16.loss_scaler import make_scaler
 from .precision_modes import PrecisionMode, Unpartitioned, build_mode
 from .state import state
 from .state_dict_keys import PARTIAL_KEY
+
+if TYPE_CHECKING:
+    from .protocols import BoundModel
 
 __all__ = ["DistributedOptimizer"]
 
@@ -110,6 +114,7 @@ class DistributedOptimizer:
                 f"{type(optimizer).__name__}; build e.g. torch.optim.AdamW(model.parameters()) "
                 "first", key="optimizer", value=type(optimizer).__name__)
         self.fp16, self.bf16 = state.cfg.fp16, state.cfg.bf16
+        self.model: BoundModel | None = state.model  # the model, when it came first
         self.optimizer = optimizer
         self.scaler = make_scaler(fp16=self.fp16, static_loss_scale=static_loss_scale,
                                   dynamic_loss_scale=dynamic_loss_scale,
@@ -125,9 +130,11 @@ class DistributedOptimizer:
         self._progress = _StepProgress()
         self._health = HealthLog()
         self._global_grad_norm = None  # the last clip's norm, by the name AWS's sdp scripts read
-        if _partitioned():
+        if _partitioned(self.model):
             self.build_stage_state()
-        state.optimizer = self
+        state.optimizer = self  # what the smp API finds (state.py)
+        if self.model is not None:  # bind both ways, once built (protocols.py)
+            self.model.bind(self)
 
     def build_stage_state(self) -> None:
         """Build this stage's precision mode once the partition is final (the
@@ -142,7 +149,7 @@ class DistributedOptimizer:
         """
         if not isinstance(self._mode, Unpartitioned):
             return
-        self._mode = build_mode(self.optimizer, half=self.mixed_precision)
+        self._mode = build_mode(self.optimizer, half=self.mixed_precision, model=self.model)
         self._share_inner()
         pending, self._pending_load = self._pending_load, None
         if pending is not None:
@@ -226,8 +233,8 @@ class DistributedOptimizer:
         exact mode's half ones in place in its flat buffers, the fused mode's set to None or
         zeroed where autograd put them, as `set_to_none` says)."""
         self._mode.zero_grad(set_to_none)
-        if state.model is not None:
-            state.model.grads_zeroed()
+        if self.model is not None:
+            self.model.grads_zeroed()
         self._progress = _StepProgress()
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
@@ -424,9 +431,8 @@ class _TorchDistributedOptimizer(DistributedOptimizer, torch.optim.Optimizer):
     """The DistributedOptimizer without fp16 (fp32, bf16): also a torch.optim.Optimizer."""
 
 
-def _partitioned() -> bool:
+def _partitioned(model: BoundModel | None) -> bool:
     """Whether the model's partition is final (always, with pp == 1: at wrap time)."""
-    model = state.model
     if model is not None:
         return bool(model.partitioned)
     return state.topology is None or state.topology.pp == 1

@@ -53,6 +53,7 @@ from .state import state
 
 if TYPE_CHECKING:
     from .pipeline.host import PipelineHost
+    from .protocols import BoundOptimizer, SteppedModel
 
 __all__ = ["ParallelPlan", "WrappedModel", "PartitionHost"]
 
@@ -77,6 +78,9 @@ class PartitionHost(Protocol):
 
     partitioned: bool
     shards_parameters: bool
+
+    @property
+    def optimizer(self) -> BoundOptimizer | None: ...
 
     def get_module(self) -> nn.Module: ...
 
@@ -112,8 +116,9 @@ class ParallelPlan:
                    sharded=sharded_data_parallel.enabled())
 
     # ---- wrap time ----------------------------------------------------------------------
-    def wrap(self, module: nn.Module) -> WrappedModel:
-        """Steps 1-5 on the script's module (DistributedModel.__init__)."""
+    def wrap(self, module: nn.Module, *, model: SteppedModel) -> WrappedModel:
+        """Steps 1-5 on the script's module (DistributedModel.__init__, which passes itself
+        as `model`)."""
         self.delayed = delayed_init.begin(module, decide_partition=_decide_partition)  # 1
         if self.tensor_parallel:
             module = distribute_tensor_parallel(module, delayed=self.delayed)  # 2
@@ -125,7 +130,7 @@ class ParallelPlan:
             from .nn.huggingface.v1_names import add_v1_names
             add_v1_names(module)
         from .activation_checkpointing import apply_recorded
-        apply_recorded(module)  # set_activation_checkpointing calls made before wrapping
+        apply_recorded(module, model=model)  # set_activation_checkpointing before wrapping
         return WrappedModel(module=module, forward_module=_half_wrapper(module))  # 5
 
     # ---- partition time -----------------------------------------------------------------
@@ -149,8 +154,8 @@ class ParallelPlan:
             host.keep_sharding(figures)
         host.build_reducer()  # 9
         host.partitioned = True
-        if state.optimizer is not None:
-            state.optimizer.build_stage_state()
+        if host.optimizer is not None:  # the optimizer bound to the model
+            host.optimizer.build_stage_state()
         if self.pipelined:
             host.run_partition_hooks()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from .memory_report import optimizer_line
 from .param_record import param_record
 from .sharded_optimizer import ShardedMasters, check_layout, reshard_state
 from .state import state
+
+if TYPE_CHECKING:
+    from .protocols import BoundModel
 
 __all__ = ["PrecisionMode", "FullPrecision", "Unpartitioned", "Masters", "FusedHalf",
            "Sharded", "Sdp", "build_mode", "counts_in_norm"]
@@ -341,20 +345,24 @@ class Sdp(Masters):
                                                              self.optimizer)
 
 
-def build_mode(optimizer: torch.optim.Optimizer, *, half: bool) -> PrecisionMode:
+def build_mode(optimizer: torch.optim.Optimizer, *, half: bool,
+               model: BoundModel | None) -> PrecisionMode:
     """The mode for this job's config and this stage's parameters (the model is partitioned).
 
     Args:
         optimizer: the inner optimizer; its param groups are rewritten to hold the masters.
         half: fp16 or bf16 training.
+        model: the DistributedModel the optimizer is bound to (None: not created yet).
 
     Raises:
-        SMPConfigError: shard_optimizer_state with an optimizer it cannot slice (ShardedMasters).
+        SMPConfigError: shard_optimizer_state with an optimizer it cannot slice, or either
+            sharding without the DistributedModel (ShardedMasters, SdpMasters).
     """
     if sharded_data_parallel.enabled():  # ZeRO-3: the masters are the model's shards
-        return Sdp(optimizer, sharded_data_parallel.SdpMasters(optimizer, counts=counts_in_norm))
+        return Sdp(optimizer, sharded_data_parallel.SdpMasters(optimizer, counts=counts_in_norm,
+                                                               model=model))
     if state.cfg.shard_optimizer_state:  # ZeRO-1 over RDP, any precision
-        masters = ShardedMasters(optimizer, counts=counts_in_norm)
+        masters = ShardedMasters(optimizer, counts=counts_in_norm, model=model)
         if state.rank == 0:
             logging.getLogger("smp").info(optimizer_line(masters, mixed_precision=half))
         return Sharded(optimizer, masters)

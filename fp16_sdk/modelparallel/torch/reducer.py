@@ -11,7 +11,10 @@ the same collectives in the same order even if its hooks fire in another. `finis
 the step) launches what is left (parameters without a gradient count as zeros), waits, and
 writes the results back to `.grad`.
 
-Design notes: docs/internals.md, "Gradient reduction: divisors, accumulation, groups of one".
+What each gradient is divided by is one rule, `GradDivisors` (below): the reducer's groups,
+sharded data parallelism's chunks and the undoing of a reduction before accumulating (grad_sync)
+all take their divisors from it. Design notes: docs/internals.md, "Gradient reduction:
+divisors, accumulation, groups of one".
 """
 
 from __future__ import annotations
@@ -23,7 +26,42 @@ import torch.distributed as dist
 
 from .errors import StepError
 
-__all__ = ["GradReducer", "ReductionGroup", "bucket_count"]
+__all__ = ["GradDivisors", "GradReducer", "ReductionGroup", "bucket_count"]
+
+
+@dataclass(frozen=True)
+class GradDivisors:
+    """What a parameter's gradient, summed over its reduction group, is divided by to become
+    the global batch's mean gradient (derivation: docs/internals.md, "Gradient reduction").
+
+    A rank's accumulated gradient is a sum over its microbatches of mean-loss gradients, so
+    averaging over microbatches divides by their count. A replicated parameter's local
+    gradient comes from this rank's batch alone: summed over DP, divided by dp. A scaled-batch
+    (TP-distributed) parameter's local gradient already holds its TP group's batches: summed
+    over RDP, divided by dp again, or by rdp when the TP ranks share one batch (prescaled_batch).
+
+    Attributes:
+        microbatches: the microbatch count (1 unless gradients average over microbatches).
+        replicated: microbatches x dp (parameters reduced over DP).
+        scaled_batch: microbatches x (rdp with prescaled_batch, else dp) (reduced over RDP).
+    """
+
+    microbatches: int
+    replicated: int
+    scaled_batch: int
+
+    @classmethod
+    def of(cls, *, dp: int, rdp: int, microbatches: int, average_over_microbatches: bool,
+           prescaled_batch: bool) -> GradDivisors:
+        """The divisors of a job: its dp and rdp sizes, the config's `microbatches` and
+        `prescaled_batch`, the model's `average_grads_across_microbatches`."""
+        mb = microbatches if average_over_microbatches else 1
+        return cls(microbatches=mb, replicated=mb * dp,
+                   scaled_batch=mb * (rdp if prescaled_batch else dp))
+
+    def of_param(self, scaled_batch: bool) -> int:
+        """The divisor of a parameter reduced over RDP (`scaled_batch`) or over DP."""
+        return self.scaled_batch if scaled_batch else self.replicated
 
 
 @dataclass

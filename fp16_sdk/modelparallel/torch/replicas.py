@@ -1,6 +1,6 @@
 """Keeping data-parallel replicas equal: the broadcast from each group's first rank, and the
 reduction groups of the gradient reducer (which parameters reduce over DP and which over RDP,
-with which divisor; the derivation is in reducer.py's docstring).
+with which divisor: reducer.GradDivisors).
 
 DistributedModel calls these at partitioning (broadcast, reducer), before every step
 (buffers, with broadcast_buffers) and when shard_optimizer_state takes parameters over
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .param_record import param_record
-from .reducer import GradReducer, ReductionGroup
+from .reducer import GradDivisors, GradReducer, ReductionGroup
 from .state import state
 
 __all__ = ["is_scaled_batch", "broadcast_replicas", "build_reducer", "release"]
@@ -53,19 +53,20 @@ def broadcast_replicas(tensors: list[torch.Tensor]) -> None:
             _broadcast_coalesced(chosen, src, state.groups.get(kind))
 
 
-def build_reducer(params: Iterable[torch.nn.Parameter], *, average_over_microbatches: bool,
+def build_reducer(params: Iterable[torch.nn.Parameter], *, divisors: GradDivisors,
                   bucket_cap_mb: float, overlap: bool,
                   gradient_as_bucket_view: bool) -> GradReducer:
     """The reducer of `params` (those requiring grad): replicated ones over DP, scaled-batch
-    ones over RDP, each divided so the result is the global batch's mean gradient."""
-    topo, cfg = state.topology, state.cfg
-    mb_div = cfg.microbatches if average_over_microbatches else 1
+    ones over RDP, each divided (`divisors`) so the result is the global batch's mean
+    gradient."""
+    topo = state.topology
     params = [p for p in params if p.requires_grad]
     replicated = [p for p in params if not is_scaled_batch(p)]
     distributed = [p for p in params if is_scaled_batch(p)]
-    rdp_div = topo.rdp if cfg.prescaled_batch else topo.dp  # derivation: reducer.py
-    groups = [ReductionGroup("dp", replicated, state.groups.dp, topo.dp, mb_div * topo.dp),
-              ReductionGroup("rdp", distributed, state.groups.rdp, topo.rdp, mb_div * rdp_div)]
+    groups = [ReductionGroup("dp", replicated, state.groups.dp, topo.dp,
+                             divisors.of_param(False)),
+              ReductionGroup("rdp", distributed, state.groups.rdp, topo.rdp,
+                             divisors.of_param(True))]
     return GradReducer([g for g in groups if g.params], bucket_cap_mb=bucket_cap_mb,
                        overlap=overlap, gradient_as_bucket_view=gradient_as_bucket_view)
 

@@ -31,6 +31,7 @@ ZeroRedundancyOptimizer, elementwise optimizers, checkpoints".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ import torch.distributed as dist
 from .errors import CheckpointError, SMPConfigError
 from .fp16.master_params import HALF_DTYPES, power_sum
 from .state import state
+
+if TYPE_CHECKING:
+    from .protocols import BoundModel
 
 __all__ = ["ShardedBucket", "ShardedMasters", "ELEMENTWISE_OPTIMIZERS", "reshard_state",
            "check_layout"]
@@ -184,13 +188,15 @@ class ShardedMasters:
     Args:
         optimizer: the inner optimizer, built on the DistributedModel's parameters.
         counts: whether a parameter counts in the global gradient norm.
+        model: the DistributedModel (None: not created yet, refused), whose gradient
+            reduction the slices take over.
 
     Raises:
         SMPConfigError: a non-elementwise optimizer, no DistributedModel yet, or an optimizer
             that already holds state.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, counts):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, counts, model: BoundModel | None):
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
             raise SMPConfigError(
@@ -203,7 +209,6 @@ class ShardedMasters:
                 "shard_optimizer_state=True: the optimizer already holds state; wrap it in "
                 "smp.DistributedOptimizer before its first step (load state afterwards with "
                 "smp.resume_from_checkpoint)", key="shard_optimizer_state", value=True)
-        model = state.model
         if model is None:
             raise SMPConfigError(
                 "shard_optimizer_state=True needs the smp.DistributedModel before the "

@@ -7,9 +7,12 @@ Fields (docs/internals.md "Runtime state"), typed on the dataclass below:
 - device: this rank's torch.device; backend: "nccl" or "gloo"; owns_process_group: smp.init
   started torch.distributed (rather than the script).
 - rank, local_rank, local_size: this process' place in the world and on its host.
-- model / optimizer: the one DistributedModel / DistributedOptimizer.
-- pending_resume: a `resume_from_checkpoint` made before the DistributedModel existed
-  (checkpoint/resume.py), applied at the first `smp.step`.
+- model / optimizer: the one DistributedModel / DistributedOptimizer, as the smp API finds them
+  (smp.step and resume_from_checkpoint take no model; scripts and smp's tests set them to
+  None). The runtime itself follows the binding between the two (`model.optimizer`,
+  `optimizer.model`: protocols.py), never these fields.
+- pending_resume: a `PendingResume`, a `resume_from_checkpoint` made before the
+  DistributedModel existed (checkpoint/resume.py), applied at the first `smp.step`.
 - creation: module -> the `CreationRecord` the creation contexts wrote (contexts.py,
   creation_record.py), read by TP, PP and activation checkpointing at wrap time;
   creation_dtype is the dtype `model_creation(dtype=...)` last used;
@@ -27,23 +30,23 @@ import sys
 import threading
 import weakref
 from dataclasses import MISSING, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import SMPNotInitializedError
 
-if TYPE_CHECKING:  # annotations only: state.py imports nothing of the runtime at run time
+# Annotations only, and only of modules that import no runtime module but errors.py (the
+# model, optimizer, comm and resume modules all import state): state.py stays out of every
+# import circle, type-only ones included. The model and optimizer are typed by protocols.py.
+if TYPE_CHECKING:
     import torch
 
     from fp16_sdk.config import SMPParameters
 
-    from .checkpoint.resume import PendingResume
-    from .comm import ProcessGroups
     from .creation_record import CreationRecord
-    from .model import DistributedModel
-    from .optimizer import DistributedOptimizer
+    from .protocols import BoundOptimizer, ProcessGroupsView, SteppedModel
     from .topology import Topology
 
-__all__ = ["state", "RuntimeState", "ModuleManager"]
+__all__ = ["state", "RuntimeState", "ModuleManager", "PendingResume"]
 
 
 class ModuleManager:
@@ -62,6 +65,23 @@ class ModuleManager:
         self.translate_functions.append(functions)
 
 
+@dataclass(frozen=True)
+class PendingResume:
+    """A resume called before the DistributedModel existed (`state.pending_resume`; made and
+    applied by checkpoint/resume.py).
+
+    Attributes:
+        topology: the Topology of the smp.init it belongs to (a later init in the same process
+            must not apply it).
+        apply: `apply(model, optimizer)`, run after partitioning.
+        rng: the RNG states to restore first (None: not restored).
+    """
+
+    topology: Topology
+    apply: Callable[[SteppedModel, BoundOptimizer | None], None]
+    rng: dict | None
+
+
 @dataclass(eq=False)
 class RuntimeState:
     """Mutable runtime state; one instance, `state`. Fields are listed in the module docstring;
@@ -70,15 +90,15 @@ class RuntimeState:
     initialized: bool = False
     cfg: SMPParameters | None = None
     topology: Topology | None = None
-    groups: ProcessGroups | None = None
+    groups: ProcessGroupsView | None = None  # comm.ProcessGroups
     device: torch.device | None = None
     backend: str | None = None  # "nccl" or "gloo"
     rank: int = 0
     local_rank: int = 0
     local_size: int = 1
     owns_process_group: bool = False  # smp.init started torch.distributed (not the script)
-    model: DistributedModel | None = None
-    optimizer: DistributedOptimizer | None = None
+    model: SteppedModel | None = None  # the smp API's registry (module docstring)
+    optimizer: BoundOptimizer | None = None
     module_manager: ModuleManager = field(default_factory=ModuleManager)
     pending_resume: PendingResume | None = None  # resume_from_checkpoint before the model
     creation: weakref.WeakKeyDictionary[torch.nn.Module, CreationRecord] = field(

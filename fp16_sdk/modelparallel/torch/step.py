@@ -249,9 +249,9 @@ class _StepFunction:
                             f"function; step functions do not nest")
         num_mb = state.num_microbatches
         mb_args = self._split_args(args, kwargs, num_mb)
-        model = state.model
+        model = state.model  # the smp API: @smp.step is not told which model it drives
         if model is not None:
-            apply_pending_resume()  # a resume_from_checkpoint called before the model existed
+            apply_pending_resume(model)  # a resume_from_checkpoint made before the model
             model.begin_step()
         state.in_step = True
         try:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from ..state import state
+from ..state import PendingResume, state
 from ..state_dict_keys import PARTIAL_KEY
 from . import files
 from .collective import agree, allgather, gather_problems, raise_first
@@ -24,11 +23,9 @@ from .files import NEWEST, IncompleteCheckpointError
 from .layout import coords, set_rng_state, sharded
 
 if TYPE_CHECKING:
-    from ..model import DistributedModel
-    from ..optimizer import DistributedOptimizer
-    from ..topology import Topology
+    from ..protocols import SteppedModel
 
-__all__ = ["resume_from_checkpoint", "apply_pending_resume", "PendingResume"]
+__all__ = ["resume_from_checkpoint", "apply_pending_resume"]
 
 log = logging.getLogger("smp.checkpoint")
 
@@ -85,8 +82,9 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
         raise CheckpointError(f"resume_from_checkpoint(weights_only={weights_only!r}): pass "
                               f"True (the default, safe) or False (unpickle anything)")
     load = functools.partial(files.load, weights_only=weights_only)
+    model = state.model  # the smp API takes no model: the one this process wrapped, if any
     if not partial:
-        return _resume_full(path, tag, strict, translate_function, load)
+        return _resume_full(path, tag, strict, translate_function, load, model)
     folder, manifest = _newest_complete(path) if tag is None else _tagged(path, tag)
     records, problem, rng, pending, user = manifest["files"], None, None, {}, None
     try:  # a refused file on one rank must stop every rank here, not hang the others later
@@ -104,7 +102,7 @@ def resume_from_checkpoint(path, tag=None, partial=True, strict=True, load_optim
     agree(problem)
     _apply_when_partitioned(lambda model, optimizer: _apply_partial(model, optimizer, pending,
                                                                      strict, load_optimizer),
-                            rng=rng)
+                            model, rng=rng)
     return user
 
 
@@ -238,39 +236,24 @@ def _read_partial(folder: str, records, load_optimizer: bool, saved_rdp: int, lo
     return pending
 
 
-@dataclass(frozen=True)
-class PendingResume:
-    """A resume called before the DistributedModel existed (`state.pending_resume`).
-
-    Attributes:
-        topology: the Topology of the smp.init it belongs to (a later init in the same process
-            must not apply it).
-        apply: `apply(model, optimizer)`, run after partitioning.
-        rng: the RNG states to restore first (None: not restored).
-    """
-
-    topology: Topology
-    apply: Callable[[DistributedModel, DistributedOptimizer | None], None]
-    rng: dict | None
-
-
-def apply_pending_resume() -> None:
-    """Apply a resume that waited for the model (smp.step calls it before every step;
+def apply_pending_resume(model: SteppedModel) -> None:
+    """Apply to `model` a resume that waited for it (smp.step calls it before every step;
     nothing to do unless resume_from_checkpoint ran before smp.DistributedModel)."""
     pending = state.pending_resume
-    if pending is None or state.model is None:
+    if pending is None:
         return
     state.pending_resume = None
     if pending.topology is not state.topology:
         return
-    _apply_when_partitioned(pending.apply, rng=pending.rng)
+    _apply_when_partitioned(pending.apply, model, rng=pending.rng)
 
 
-def _apply_when_partitioned(apply, *, rng: dict | None = None) -> None:
+def _apply_when_partitioned(apply, model: SteppedModel | None, *,
+                            rng: dict | None = None) -> None:
     """Restore `rng` now and run `apply(model, optimizer)` at the first step (post-partition
-    hook), or now when the model already ran its first step. With no model yet, record both
-    in `state.pending_resume` for the first step (apply_pending_resume)."""
-    model = state.model
+    hook), or now when the model already ran its first step; the optimizer is the one bound
+    to the model then. With no model yet, record both in `state.pending_resume` for the first
+    step (apply_pending_resume)."""
     if model is None:
         if state.pending_resume is not None and state.rank == 0:
             log.warning("smp.resume_from_checkpoint called twice before the DistributedModel "
@@ -280,13 +263,13 @@ def _apply_when_partitioned(apply, *, rng: dict | None = None) -> None:
     if rng is not None:
         set_rng_state(rng)
     if model.post_partition_hooks_ran:
-        apply(model, state.optimizer)
+        apply(model, model.optimizer)
         return
     handle = None
 
-    def hook(model, optimizer):
+    def hook(model, optimizer):  # the model passes the optimizer bound to it
         handle.remove()
-        apply(model, optimizer if optimizer is not None else state.optimizer)
+        apply(model, optimizer)
     handle = model.register_post_partition_hook(hook)
 
 
@@ -309,7 +292,8 @@ def _refresh_masters(optimizer) -> None:
         optimizer.reload_masters_from_model()
 
 
-def _resume_full(path: str, tag, strict: bool, translate_function, load):
+def _resume_full(path: str, tag, strict: bool, translate_function, load,
+                 model: SteppedModel | None):
     if not isinstance(tag, str) or not tag:
         raise CheckpointError(f"resume_from_checkpoint(partial=False) needs tag=<the full "
                               f"checkpoint's file name in {path!r}>, got {tag!r}")
@@ -326,6 +310,6 @@ def _resume_full(path: str, tag, strict: bool, translate_function, load):
     def apply(model, optimizer):
         model.load_state_dict(sd, strict=strict)
         _refresh_masters(optimizer)
-    _apply_when_partitioned(apply)
+    _apply_when_partitioned(apply, model)
     user = os.path.join(path, f"user_content_{tag}")
     return load(user) if os.path.isfile(user) else None

@@ -1,21 +1,27 @@
 """The optimizer side: each FSDP chunk is its own fp32 master (`SdpMasters`).
 
 Gradient maths equals the unsharded reducer's (reducer.py): FSDP sums over the sharding group,
-then each chunk is divided by the same divisor (microbatches x dp for replicated parameters,
-microbatches x rdp-or-dp for tensor-parallel ones) and, for parameters replicated over tensor
-parallelism, all-reduced over the TP group. Persistent parameters are whole on every rdp rank
+then each chunk is divided by the same divisor, the model's `reducer.GradDivisors`
+(microbatches x dp for replicated parameters, microbatches x rdp-or-dp for tensor-parallel
+ones) and, for parameters replicated over tensor parallelism, all-reduced over the TP group. Persistent parameters are whole on every rdp rank
 and count once (rdp rank 0) in the world's norm and overflow sums.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
+from ..errors import SMPConfigError
 from ..fp16.master_params import MasterParams, power_sum
 from ..state import state
 from .settings import is_sharded
 from .zero_names import zero_partition
+
+if TYPE_CHECKING:
+    from ..protocols import BoundModel
 
 __all__ = ["SdpMasters"]
 
@@ -84,13 +90,21 @@ class SdpMasters(MasterParams):
     Args:
         optimizer: the inner optimizer, built on the sharded DistributedModel's parameters.
         counts: whether a parameter counts in the global gradient norm (before sharding).
+        model: the sharded DistributedModel (None: not created yet, refused); its
+            `grad_divisors` divide the chunks' gradients.
+
+    Raises:
+        SMPConfigError: no DistributedModel yet.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, counts):
-        topo, cfg = state.topology, state.cfg
-        mb = cfg.microbatches if state.model.average_grads_across_microbatches else 1
-        self._divisor = {False: mb * topo.dp,
-                         True: mb * (topo.rdp if cfg.prescaled_batch else topo.dp)}
+    def __init__(self, optimizer: torch.optim.Optimizer, *, counts, model: BoundModel | None):
+        if model is None:
+            raise SMPConfigError(
+                "sharded_data_parallel_degree > 1 needs the smp.DistributedModel before the "
+                "smp.DistributedOptimizer (the optimizer steps the model's shards)",
+                key="sharded_data_parallel_degree", value=state.cfg.sharded_data_parallel_degree)
+        topo = state.topology
+        self._divisors = model.grad_divisors
         on_rdp0 = topo.rdp_rank(state.rank) == 0
         self._shard_counts = counts
         # Persistent parameters are whole on every rdp rank: count them once in world sums.
@@ -110,7 +124,8 @@ class SdpMasters(MasterParams):
                 distributed = is_scaled_batch(p)
                 extra = state.groups.tp if topo.tp > 1 and not distributed else None
                 self.buckets.append(_ShardBucket(
-                    p, counted=self._shard_counts(p), divisor=float(self._divisor[distributed]),
+                    p, counted=self._shard_counts(p),
+                    divisor=float(self._divisors.of_param(distributed)),
                     extra=extra, group_index=len(self._groups)))
             elif is_sharded(p):
                 self.full_precision.append(p)
