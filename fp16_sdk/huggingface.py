@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.estimator_job import base_name_from_image
+from fp16_sdk.estimator.job import base_name_from_image
 from fp16_sdk.pytorch import PyTorch, check_unknown_arguments, warn_if_installed_differs
 
 __all__ = ["HuggingFace"]

@@ -28,9 +28,9 @@ from typing import Any
 from fp16_sdk.backends.rules import require_image
 from fp16_sdk.config import DistributionConfig
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.estimator import Estimator
-from fp16_sdk.estimator_job import base_name_from_image
-from fp16_sdk.estimator_args import V1_NAMES
+from fp16_sdk.estimator.core import Estimator
+from fp16_sdk.estimator.job import base_name_from_image
+from fp16_sdk.estimator.args import V1_NAMES
 from fp16_sdk.image import DEFAULT_CPU_IMAGE, DEFAULT_GPU_IMAGE
 
 __all__ = ["PyTorch", "LOCAL_IMAGE_CPU", "LOCAL_IMAGE_GPU", "check_compiler_config",

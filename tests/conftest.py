@@ -131,7 +131,7 @@ def _made_here(resources: list[tuple[str, object]], tmp: Path) -> list[tuple[str
     (label `fp16_sdk.sdk`) is this one; a container mounting a folder under the session's
     temporary folder `tmp` (a fit() in a child process, a test's own container); a job's network
     whose job has such a container or a folder under `tmp` (output_path/<job>)."""
-    from fp16_sdk.backends.local_docker_reaper import LABEL_SDK, sdk_label
+    from fp16_sdk.backends.local_docker.reaper import LABEL_SDK, sdk_label
 
     me, root = sdk_label().get(LABEL_SDK), str(tmp)
     slurm = getattr(sys.modules.get("helpers.slurm_cluster"), "started_here", False)

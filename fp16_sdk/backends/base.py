@@ -228,15 +228,15 @@ class BackendEntry:
 
 
 BACKENDS: dict[str, BackendEntry] = {e.name: e for e in (
-    BackendEntry("local_process", "fp16_sdk.backends.local_process:LocalProcessBackend",
+    BackendEntry("local_process", "fp16_sdk.backends.local_process.backend:LocalProcessBackend",
                  placement=LOCAL_FOLDERS, instance_types=("local_process",)),
-    BackendEntry("local_docker", "fp16_sdk.backends.local_docker:LocalDockerBackend",
+    BackendEntry("local_docker", "fp16_sdk.backends.local_docker.backend:LocalDockerBackend",
                  placement=LOCAL_FOLDERS, instance_types=("local", "local_gpu")),
-    BackendEntry("sagemaker", "fp16_sdk.backends.sagemaker:SageMakerBackend",
+    BackendEntry("sagemaker", "fp16_sdk.backends.sagemaker.backend:SageMakerBackend",
                  placement=S3_STORAGE, needs_image=True, heterogeneous=True),
-    BackendEntry("ec2", "fp16_sdk.backends.ec2:EC2Backend", placement=S3_STORAGE,
+    BackendEntry("ec2", "fp16_sdk.backends.ec2.backend:EC2Backend", placement=S3_STORAGE,
                  needs_image=True),
-    BackendEntry("slurm", "fp16_sdk.backends.slurm:SlurmBackend", placement=SHARED_FILESYSTEM,
+    BackendEntry("slurm", "fp16_sdk.backends.slurm.backend:SlurmBackend", placement=SHARED_FILESYSTEM,
                  instance_types=("slurm",)),
 )}
 # The types whose jobs stay on this machine, as the table stands at import.

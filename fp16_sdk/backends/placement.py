@@ -36,9 +36,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp16_sdk import contract
 from fp16_sdk.backends.request import JobSpec
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as fail
+from fp16_sdk.session import parse_s3_uri
 
 __all__ = ["Placement", "LocalFolders", "SharedFilesystem", "S3Storage", "JobFolder",
            "LOCAL_FOLDERS", "SHARED_FILESYSTEM", "S3_STORAGE", "claim_job_folder",
@@ -317,6 +319,25 @@ class S3Storage(Placement):
     def claim(self, output_path: str, job_name: str) -> JobFolder:
         root = Path(tempfile.mkdtemp(prefix=f"{job_name}-source-"))
         return JobFolder(root=root, code_dir=root, temporary=True)
+
+    @staticmethod
+    def code_uri(spec: JobSpec, session: Any) -> str:
+        """Where a remote job's sourcedir.tar.gz goes: the request's `code_uri` (decided in the
+        estimator), else `contract.code_uri` with the session's default bucket, when neither
+        code_location nor an s3:// output_path names one (a hand-built spec, or an estimator
+        without a session).
+
+        Raises:
+            ConfigError: code_location is not an s3:// URI of a bucket.
+        """
+        if spec.code_location:
+            parse_s3_uri(spec.code_location)
+        if spec.code_uri:
+            return spec.code_uri
+        has_bucket = spec.code_location or (spec.output_path or "").startswith("s3://")
+        return contract.code_uri(spec.job_name, output_path=spec.output_path or "",
+                                 code_location=spec.code_location,
+                                 default_bucket=None if has_bucket else session.default_bucket())
 
 
 LOCAL_FOLDERS = LocalFolders()

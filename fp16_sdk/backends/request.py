@@ -22,9 +22,41 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp16_sdk import contract
-from fp16_sdk.estimator_args import SageMakerOptions
 
-__all__ = ["Channel", "JobSpec", "Plan"]
+__all__ = ["Channel", "JobSpec", "Plan", "SageMakerOptions", "JOB_NAME_PATTERN"]
+
+# SageMaker's TrainingJobName rule (match with fullmatch: `$` would also accept a final "\n").
+JOB_NAME_PATTERN = r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SageMakerOptions:
+    """The SageMaker-only parts of a job, resolved and in CreateTrainingJob's shapes.
+
+    A hook / profiler / TensorBoard config without `S3OutputPath` gets the job's output path
+    from the backend (the real SDK's default). Empty/None fields are not sent.
+    """
+
+    volume_kms_key: str | None = None
+    output_kms_key: str | None = None
+    disable_output_compression: bool = False
+    encrypt_inter_container_traffic: bool = False
+    enable_sagemaker_metrics: bool | None = None
+    retry_strategy: Mapping[str, int] | None = None
+    debug_hook_config: Mapping[str, Any] | None = None
+    debug_rule_configs: tuple[Mapping[str, Any], ...] = ()
+    profiler_config: Mapping[str, Any] | None = None
+    profiler_rule_configs: tuple[Mapping[str, Any], ...] = ()
+    tensorboard_output_config: Mapping[str, Any] | None = None
+    training_image_config: Mapping[str, Any] | None = None
+    infra_check_config: Mapping[str, bool] | None = None
+    container_entry_point: tuple[str, ...] | None = None
+    container_arguments: tuple[str, ...] | None = None
+    remote_debug_config: Mapping[str, bool] | None = None
+    session_chaining_config: Mapping[str, bool] | None = None
+    training_plan: str | None = None
+    instance_placement_config: Mapping[str, Any] | None = None
+    instance_groups: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +83,7 @@ class Channel:
 class JobSpec:
     """The request a backend receives: one validated training job, independent of where it runs.
 
-    The estimator resolves its arguments into this once per fit() (`estimator_job.job_spec`);
+    The estimator resolves its arguments into this once per fit() (`estimator.job.job_spec`);
     the locations in it already obey the chosen row's placement policy (a backend's `submit()`
     rechecks a hand-built spec with `placement.check_request`). Folder placements have claimed
     `<output_path>/<job_name>/` and built the code in its `source/`.

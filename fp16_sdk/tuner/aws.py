@@ -161,8 +161,9 @@ def prepare_definition(estimator: Any, inputs: Any, *, name: str, config: Tuning
         ConfigError: an invalid estimator argument or input (nothing uploaded yet).
     """
     from fp16_sdk.backends.base import BACKENDS
+    from fp16_sdk.backends.placement import S3_STORAGE
     from fp16_sdk.backends.rules import check_remote_request
-    from fp16_sdk.backends.sagemaker import SageMakerBackend, build_training_request, code_uri
+    from fp16_sdk.backends.sagemaker.backend import SageMakerBackend, build_training_request
 
     _settings, spec, folder = estimator._prepare_job(inputs, name)
     try:
@@ -176,7 +177,7 @@ def prepare_definition(estimator: Any, inputs: Any, *, name: str, config: Tuning
         output_path = (spec.output_path if spec.output_path and
                        spec.output_path.startswith("s3://")
                        else f"s3://{backend.session.default_bucket()}/")
-        submit_uri = backend.session.upload_file(spec.sourcedir, code_uri(spec, backend.session))
+        submit_uri = backend.session.upload_file(spec.sourcedir, S3_STORAGE.code_uri(spec, backend.session))
     finally:
         if folder.temporary:
             folder.release()

@@ -81,7 +81,7 @@ class HyperparameterTuner:
                               key="estimator_name", value=estimator_name)
         if estimator is None or not hasattr(estimator, "_prepare_job"):
             raise ConfigError(f"estimator={estimator!r} must be an fp16_sdk estimator "
-                              "(fp16_sdk.pytorch.PyTorch, fp16_sdk.estimator.Estimator...)",
+                              "(fp16_sdk.pytorch.PyTorch, fp16_sdk.estimator.core.Estimator...)",
                               key="estimator", value=estimator)
         self.estimator = estimator
         reserved = {k: "the estimator's distribution sets it"
@@ -180,7 +180,7 @@ class HyperparameterTuner:
             self.wait()
 
     def _fit_local(self, inputs: Any, name: str) -> None:
-        from fp16_sdk import estimator_job
+        from fp16_sdk.estimator import job as estimator_job
         from fp16_sdk.tuner.local import LocalTuning
 
         est = self.estimator
@@ -284,7 +284,7 @@ class HyperparameterTuner:
         if summary is None:
             raise ConfigError(f"best_training_job={name!r} is not a training job of tuning job "
                               f"{self._job()!r}", key="best_training_job", value=name)
-        from fp16_sdk.estimator import Estimator
+        from fp16_sdk.estimator.core import Estimator
 
         est = Estimator.__new__(Estimator)
         est.latest_training_job = RecordedJob(summary)
@@ -327,7 +327,7 @@ class HyperparameterTuner:
 
 
 def _attach_sagemaker_job(name: str, session: Any) -> Any:
-    from fp16_sdk.estimator import Estimator
+    from fp16_sdk.estimator.core import Estimator
 
     return Estimator.attach(name, sagemaker_session=session)
 

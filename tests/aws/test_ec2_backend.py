@@ -27,7 +27,7 @@ from helpers.ec2_stand_ins import (IMAGE, TRAIN_PY, ec2_session, engine, finish,
                                    infra, instance, make_spec, run_stand_ins, user_data)
 from helpers.ports import free_port
 from fp16_sdk.backends.base import Channel, JobStatus, backend_for
-from fp16_sdk.backends.ec2 import EC2Backend, channel_manifest
+from fp16_sdk.backends.ec2.backend import EC2Backend, channel_manifest
 from fp16_sdk.errors import ConfigError, TrainingJobFailedError
 from fp16_sdk.packaging import build_sourcedir
 
@@ -226,7 +226,7 @@ def test_failed_two_host_job_uploads_every_hosts_artifacts(infra, aws, tmp_path,
 
 def test_pytorch_estimator_with_ec2_session_launches_instances(infra, aws, tmp_path):
     """The user path: PyTorch(sagemaker_session=EC2Session(...)).fit() -> EC2Backend."""
-    from fp16_sdk.backends.ec2_job import EC2Job
+    from fp16_sdk.backends.ec2.job import EC2Job
     from fp16_sdk.pytorch import PyTorch
 
     session = ec2_session(infra)

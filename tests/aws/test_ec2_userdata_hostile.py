@@ -31,7 +31,7 @@ import pytest
 
 from helpers.aws import REGION, aws, moto_server  # noqa: F401 (fixtures)
 from fp16_sdk.backends.base import JobSpec, JobStatus
-from fp16_sdk.backends.ec2 import EC2Backend, channel_manifest, env_table, render_user_data
+from fp16_sdk.backends.ec2.backend import EC2Backend, channel_manifest, env_table, render_user_data
 from fp16_sdk.errors import ConfigError, TrainingJobFailedError
 from fp16_sdk.packaging import build_sourcedir
 from helpers.ec2_stand_ins import ec2_session, engine, infra, make_spec, run_stand_ins  # noqa: F401
@@ -172,7 +172,7 @@ def test_sdk_refuses_s3_keys_that_leave_the_channel(key, why):
     (b'["not", "an", "object"]', "Failed", "unreadable status object"),
 ])
 def test_a_damaged_status_object_is_a_host_failure(raw, status, reason):
-    from fp16_sdk.backends.ec2_job import _parse_status
+    from fp16_sdk.backends.ec2.job import _parse_status
     got = _parse_status("algo-1", raw)
     assert got["status"] == status and reason in got["reason"], got
 

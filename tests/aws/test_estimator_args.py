@@ -275,7 +275,7 @@ def test_configuration_page_lists_every_constructor_argument():
     """docs/configuration.md's estimator table names each argument of the three constructors."""
     import inspect
 
-    from fp16_sdk.estimator import Estimator
+    from fp16_sdk.estimator.core import Estimator
     from fp16_sdk.huggingface import HuggingFace
 
     page = (REPO / "docs" / "configuration.md").read_text()

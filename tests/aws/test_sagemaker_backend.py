@@ -25,7 +25,7 @@ import pytest
 from helpers.aws import ACCOUNT, REGION, aws, moto_server  # noqa: F401 (fixtures)
 from helpers.aws import capture_requests, make_buckets
 from fp16_sdk.backends.base import Channel, JobSpec, backend_for
-from fp16_sdk.backends.sagemaker import SageMakerBackend
+from fp16_sdk.backends.sagemaker.backend import SageMakerBackend
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 from fp16_sdk.packaging import build_sourcedir
 from fp16_sdk.session import Session

@@ -27,7 +27,9 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from fp16_sdk.backends import local_docker_job, local_docker_reaper
+from fp16_sdk.backends.local_docker import job as local_docker_job
+
+from fp16_sdk.backends.local_docker import reaper as local_docker_reaper
 from helpers.paths import REPO
 from helpers.procs import kill_all, wait_gone, with_env
 from helpers.docker_engine import client  # noqa: F401 - the fixture
@@ -284,7 +286,7 @@ def test_a_released_watchdog_touches_nothing_and_a_dead_sdk_triggers_it(tmp_path
             import os, sys
             r, w = os.pipe()
             os.write(w, b"x")
-            from fp16_sdk.backends.local_docker_reaper import main
+            from fp16_sdk.backends.local_docker.reaper import main
             sys.exit(main(["--job", "j", "--fd", str(r), "--base-url", "unix:///nonexistent",
                            "--grace", "0"]))
             """)], cwd=REPO, env=_environ(), capture_output=True, text=True, timeout=60)
@@ -294,7 +296,7 @@ def test_a_released_watchdog_touches_nothing_and_a_dead_sdk_triggers_it(tmp_path
             import os, sys
             r, w = os.pipe()
             os.close(w)
-            from fp16_sdk.backends.local_docker_reaper import main
+            from fp16_sdk.backends.local_docker.reaper import main
             sys.exit(main(["--job", "j", "--fd", str(r), "--base-url", "unix:///nonexistent",
                            "--grace", "0"]))
             """)], cwd=REPO, env=_environ(), capture_output=True, text=True, timeout=60)
@@ -431,7 +433,7 @@ def test_the_prune_command_removes_a_dead_sdks_job_and_leaves_a_live_ones(client
         for job, owner in jobs.items():
             client.networks.create(f"fp16-sdk-{job}", labels={
                 local_docker_job.LABEL_JOB: job, local_docker_reaper.LABEL_SDK: owner})
-        pruned = subprocess.run([sys.executable, "-m", "fp16_sdk.backends.local_docker_reaper",
+        pruned = subprocess.run([sys.executable, "-m", "fp16_sdk.backends.local_docker.reaper",
                                  "--prune"], cwd=REPO, env=_environ(), capture_output=True,
                                 text=True, timeout=60)
         assert pruned.returncode == 0, pruned.stderr

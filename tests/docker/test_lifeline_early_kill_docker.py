@@ -19,7 +19,7 @@ import uuid
 import docker.errors
 import pytest
 
-from fp16_sdk.backends import local_docker_job
+from fp16_sdk.backends.local_docker import job as local_docker_job
 from helpers.docker_engine import IMAGE
 from helpers.docker_engine import client  # noqa: F401 - the fixture
 from helpers.paths import REPO

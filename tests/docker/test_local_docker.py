@@ -23,9 +23,9 @@ import pytest
 
 from fp16_sdk import image as images
 from fp16_sdk.backends.base import JobSpec, JobStatus
-from fp16_sdk.backends.local_docker import DockerOptions, LocalDockerBackend
-from fp16_sdk.backends.local_docker_gpu import GpuAccess, choose_gpu_access
-from fp16_sdk.backends.local_docker_job import LABEL_JOB
+from fp16_sdk.backends.local_docker.backend import DockerOptions, LocalDockerBackend
+from fp16_sdk.backends.local_docker.gpu import GpuAccess, choose_gpu_access
+from fp16_sdk.backends.local_docker.job import LABEL_JOB
 from fp16_sdk.errors import (BackendError, ConfigError, DockerUnavailableError,
                              ImageNotFoundError, TrainingJobFailedError)
 from fp16_sdk.packaging import build_sourcedir

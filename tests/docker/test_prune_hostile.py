@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from fp16_sdk import procfs
-from fp16_sdk.backends import local_docker_job, local_docker_reaper
+from fp16_sdk.backends.local_docker import job as local_docker_job
+from fp16_sdk.backends.local_docker import reaper as local_docker_reaper
 from helpers.docker_engine import IMAGE
 from helpers.docker_engine import client  # noqa: F401 - the fixture
 from helpers.paths import REPO
@@ -60,7 +61,7 @@ def _hidepid_possible() -> str | None:
 
 _AS_OTHER_USER = """
 import sys
-from fp16_sdk.backends import local_docker_reaper as r
+from fp16_sdk.backends.local_docker import reaper as r
 print(" ".join(str(r.sdk_gone(o)) for o in sys.argv[1:]))
 """
 

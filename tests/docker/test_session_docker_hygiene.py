@@ -21,7 +21,7 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from fp16_sdk.backends import local_docker_reaper
+from fp16_sdk.backends.local_docker import reaper as local_docker_reaper
 from helpers.docker_engine import IMAGE
 from helpers.docker_engine import client  # noqa: F401 - the fixture
 from helpers.paths import REPO

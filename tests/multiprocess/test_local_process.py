@@ -413,7 +413,7 @@ def test_a_literal_opt_ml_path_the_script_writes_is_reported(job, monkeypatch, c
     hosts are processes of this machine, so that literal path is this machine's, shared by the
     hosts and never collected: the job says so. The machine's root is moved to a temporary
     folder here (the test does not write into /opt/ml)."""
-    from fp16_sdk.backends import local_process
+    from fp16_sdk.backends.local_process import backend as local_process
     machine_root = job.tmp / "machine-opt-ml"
     (machine_root / "old").mkdir(parents=True)
     (machine_root / "old" / "before.txt").write_text("written before the job")
@@ -425,7 +425,7 @@ def test_a_literal_opt_ml_path_the_script_writes_is_reported(job, monkeypatch, c
         os.makedirs(os.path.join(root, "checkpoints"), exist_ok=True)
         open(os.path.join(root, "checkpoints", host + ".pt"), "w").write("x")
         ''', hyperparameters={"root": str(machine_root)})
-    with caplog.at_level("WARNING", logger="fp16_sdk.backends.local_process"):
+    with caplog.at_level("WARNING", logger="fp16_sdk.backends.local_process.backend"):
         est.fit(logs=False)
     warned = [r.getMessage() for r in caplog.records if "changed" in r.getMessage()]
     assert len(warned) == 1, caplog.text

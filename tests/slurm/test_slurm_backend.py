@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from fp16_sdk.backends.base import JobStatus
-from fp16_sdk.backends.slurm import SlurmSession
+from fp16_sdk.backends.slurm.backend import SlurmSession
 from fp16_sdk.errors import ConfigError, TrainingJobFailedError
 from fp16_sdk.pytorch import PyTorch
 from helpers.paths import REPO, SCRIPTS

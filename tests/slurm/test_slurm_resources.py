@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from fp16_sdk.backends import slurm_status
+from fp16_sdk.backends.slurm import status as slurm_status
 from fp16_sdk.backends.base import JobStatus
-from fp16_sdk.backends.slurm import SlurmSession
-from fp16_sdk.backends.slurm_script import PORT_BASE, PORT_SPAN
+from fp16_sdk.backends.slurm.backend import SlurmSession
+from fp16_sdk.backends.slurm.script import PORT_BASE, PORT_SPAN
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 from fp16_sdk.pytorch import PyTorch
 from helpers.paths import SCRIPTS

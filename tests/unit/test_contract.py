@@ -14,7 +14,7 @@ from pathlib import Path
 from fp16_sdk import contract
 from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends.base import Channel, JobSpec
-from fp16_sdk.backends.ec2 import host_configs
+from fp16_sdk.backends.ec2.backend import host_configs
 from fp16_sdk.toolkit.env import JobConfig, Paths, build_env
 
 HOSTS = ["algo-1", "algo-2"]

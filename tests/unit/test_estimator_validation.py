@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import fp16_sdk.estimator as estimator_mod
-import fp16_sdk.estimator_validation as validation
+import fp16_sdk.estimator.core as estimator_mod
+import fp16_sdk.estimator.validation as validation
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.estimator_job import base_name_from_image, claim_job_folder, name_from_base
+from fp16_sdk.estimator.job import base_name_from_image, claim_job_folder, name_from_base
 from fp16_sdk.inputs import TrainingInput
 from fp16_sdk.pytorch import PyTorch
 from helpers.paths import REPO
@@ -393,7 +393,7 @@ def test_two_processes_never_claim_one_job_folder(tmp_path):
 
 
 def test_import_pytorch_does_not_import_torch():
-    code = "import sys, fp16_sdk.pytorch, fp16_sdk.backends.local_process; " \
+    code = "import sys, fp16_sdk.pytorch, fp16_sdk.backends.local_process.backend; " \
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=True)

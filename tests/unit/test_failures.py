@@ -146,7 +146,7 @@ def test_local_docker_names_the_host_where_the_error_began(tmp_path):
     """DockerJob's failure choice on real host trees (the containers are not needed for it:
     `_explain` reads only the trees). The engine saw algo-1 exit first."""
     from fp16_sdk.backends.job_folder import HostTree
-    from fp16_sdk.backends.local_docker_job import DockerJob
+    from fp16_sdk.backends.local_docker.job import DockerJob
 
     job = object.__new__(DockerJob)
     job.name = "j"
@@ -165,7 +165,7 @@ def test_local_docker_names_the_host_where_the_error_began(tmp_path):
 def test_ec2_names_the_host_where_the_error_began():
     """The EC2 handle's choice among the hosts' status objects (their reason is the first
     1024 characters of the failure file, `finished` the time the status was written)."""
-    from fp16_sdk.backends.ec2_job import _origin
+    from fp16_sdk.backends.ec2.job import _origin
 
     victim, origin = _victim_and_origin_texts()
     statuses = [{"host": "algo-1", "status": "Failed", "exit_code": 143, "reason": victim,

@@ -19,10 +19,10 @@ import pytest
 from helpers.import_graph import cycles, import_graph
 from helpers.paths import REPO, TESTS
 
-SDK_MODULES = ["fp16_sdk.pytorch", "fp16_sdk.huggingface", "fp16_sdk.estimator",
-               "fp16_sdk.estimator_validation", "fp16_sdk.backends.base",
-               "fp16_sdk.backends.local_process", "fp16_sdk.backends.local_docker",
-               "fp16_sdk.backends.sagemaker", "fp16_sdk.backends.ec2", "fp16_sdk.session",
+SDK_MODULES = ["fp16_sdk.pytorch", "fp16_sdk.huggingface", "fp16_sdk.estimator.core",
+               "fp16_sdk.estimator.validation", "fp16_sdk.backends.base",
+               "fp16_sdk.backends.local_process.backend", "fp16_sdk.backends.local_docker.backend",
+               "fp16_sdk.backends.sagemaker.backend", "fp16_sdk.backends.ec2.backend", "fp16_sdk.session",
                "fp16_sdk.image", "fp16_sdk.packaging", "fp16_sdk.metrics", "fp16_sdk.config",
                "fp16_sdk.contract", "fp16_sdk.tuner", "fp16_sdk.tuner.local",
                "fp16_sdk.tuner.aws", "optuna"]
@@ -75,7 +75,7 @@ def test_local_process_never_imports_docker():
     code = """
 from fp16_sdk.backends.base import backend_for
 backend_for("local_process")
-import fp16_sdk.backends.local_process
+import fp16_sdk.backends.local_process.backend
 """
     loaded = _loaded_after(code)
     assert "docker" not in loaded and "torch" not in loaded, loaded

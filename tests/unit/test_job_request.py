@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fp16_sdk.backends import local_process
+from fp16_sdk.backends.local_process import backend as local_process
 from fp16_sdk.backends.base import Plan
-from fp16_sdk.backends.local_process import LocalProcessBackend, LocalProcessOptions
+from fp16_sdk.backends.local_process.backend import LocalProcessBackend, LocalProcessOptions
 from fp16_sdk.backends.request import JobSpec
 from fp16_sdk.pytorch import PyTorch
 
@@ -107,9 +107,9 @@ def test_plan_writes_nothing_and_submit_is_start_of_plan(workdir, monkeypatch):
 def test_slurm_plans_channel_copies_and_start_makes_them(tmp_path):
     """A channel outside the shared paths: plan names its copy in the job folder (the URI the
     nodes read) and writes nothing; start's copy holds the same bytes."""
-    from fp16_sdk.backends import slurm_script
+    from fp16_sdk.backends.slurm import script as slurm_script
     from fp16_sdk.backends.request import Channel
-    from fp16_sdk.backends.slurm import SlurmBackend
+    from fp16_sdk.backends.slurm.backend import SlurmBackend
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("alpha")

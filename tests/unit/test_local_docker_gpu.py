@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from fp16_sdk.backends.local_docker_gpu import (CONTAINER_LIB_DIR, assign_gpus,
+from fp16_sdk.backends.local_docker.gpu import (CONTAINER_LIB_DIR, assign_gpus,
                                                 choose_gpu_access, driver_libraries)
 from fp16_sdk.errors import BackendError, ConfigError
 

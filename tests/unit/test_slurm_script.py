@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from fp16_sdk.backends.base import JobStatus
-from fp16_sdk.backends.slurm_options import SlurmOptions
-from fp16_sdk.backends import slurm_script as script
-from fp16_sdk.backends.slurm_status import (SlurmCli, job_status, parse_kill_wait,
+from fp16_sdk.backends.slurm.options import SlurmOptions
+from fp16_sdk.backends.slurm import script as script
+from fp16_sdk.backends.slurm.status import (SlurmCli, job_status, parse_kill_wait,
                                             parse_scontrol)
 from fp16_sdk.errors import ConfigError
 
@@ -305,7 +305,7 @@ def test_ssh_prefix_quotes_each_word_for_the_remote_shell_and_shares_a_connectio
 # ---- attach without a cluster ----------------------------------------------------------------
 
 def test_attach_needs_a_slurm_session_and_names_a_missing_job(tmp_path):
-    from fp16_sdk.backends.slurm import SlurmSession
+    from fp16_sdk.backends.slurm.backend import SlurmSession
     from fp16_sdk.errors import BackendError
     from fp16_sdk.pytorch import PyTorch
     with pytest.raises(ConfigError, match="file:// output_path"):

@@ -7,9 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from fp16_sdk.backends import local_process
-
-
+from fp16_sdk.backends.local_process import backend as local_process
 def _counting_scandir(monkeypatch) -> list[int]:
     """Count the directory entries anything reads through os.scandir (os.walk included)."""
     real, read = os.scandir, [0]

@@ -17,11 +17,12 @@ from typing import Any
 
 from fp16_sdk.backends.base import (BackendEntry, backend_entry, instance_types, policy,
                                     session_backends)
+from fp16_sdk.backends.request import JOB_NAME_PATTERN
 from fp16_sdk.backends.rules import check_spot_wait, check_vpc_pair
 from fp16_sdk.contract import encode_hyperparameters  # re-exported: one encoding, in contract
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as fail
-from fp16_sdk.estimator_settings import Settings
+from fp16_sdk.estimator.settings import Settings
 from fp16_sdk.git_source import check_git_config
 from fp16_sdk.inputs import INPUT_MODES
 
@@ -29,8 +30,7 @@ __all__ = ["validate", "encode_hyperparameters", "check_hyperparameter_limits", 
            "JOB_NAME_PATTERN", "MAX_HYPERPARAMETERS", "MAX_HP_KEY", "MAX_HP_VALUE", "MAX_ENV",
            "MAX_ENV_KEY", "MAX_ENV_VALUE", "MAX_METRICS", "MAX_TAGS", "MAX_KEEP_ALIVE", "MAX_RUN"]
 
-JOB_NAME_PATTERN = r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}"
-# Matched with fullmatch: `$` would also accept a trailing newline.
+# JOB_NAME_PATTERN matched with fullmatch: `$` would also accept a trailing newline.
 _JOB_NAME = re.compile(JOB_NAME_PATTERN)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # CreateTrainingJob limits.

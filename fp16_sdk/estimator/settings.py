@@ -1,8 +1,8 @@
 """`Settings`: an estimator's arguments read once, the one value the checks and fit() read.
 
 `Estimator._settings()` copies its arguments into this frozen record (as the user gave them,
-not yet checked). `estimator_validation.validate` checks it and returns the backend table's
-row for it; `estimator_job` turns it, with the row's placement, into the `JobSpec` a backend
+not yet checked). `validation.validate` checks it and returns the backend table's
+row for it; `job` turns it, with the row's placement, into the `JobSpec` a backend
 receives. Neither module sees the estimator.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fp16_sdk.estimator_args import SageMakerArgs
+from fp16_sdk.estimator.args import SageMakerArgs
 
 __all__ = ["Settings"]
 

@@ -22,9 +22,10 @@ import logging
 import re
 from typing import Any, Mapping
 
+from fp16_sdk.backends.request import SageMakerOptions
 from fp16_sdk.errors import ConfigError
 
-__all__ = ["SageMakerArgs", "SageMakerOptions", "LOCAL_NO_EFFECT", "local_note",
+__all__ = ["SageMakerArgs", "LOCAL_NO_EFFECT", "local_note",
            "DEBUGGER_UNSUPPORTED_REGIONS", "V1_NAMES", "renamed_v1_arguments"]
 
 logger = logging.getLogger("fp16_sdk.estimator")
@@ -84,36 +85,6 @@ def _request_dict(key: str, value: Any, allowed: set[str], required: set[str] = 
                                    and raw[uri_key].startswith("s3://")):
             raise _fail(f"{key}.{uri_key}", raw[uri_key], "must be an s3:// URI")
     return raw
-
-
-@dataclasses.dataclass(frozen=True)
-class SageMakerOptions:
-    """The SageMaker-only parts of a job, resolved and in CreateTrainingJob's shapes.
-
-    A hook / profiler / TensorBoard config without `S3OutputPath` gets the job's output path
-    from the backend (the real SDK's default). Empty/None fields are not sent.
-    """
-
-    volume_kms_key: str | None = None
-    output_kms_key: str | None = None
-    disable_output_compression: bool = False
-    encrypt_inter_container_traffic: bool = False
-    enable_sagemaker_metrics: bool | None = None
-    retry_strategy: Mapping[str, int] | None = None
-    debug_hook_config: Mapping[str, Any] | None = None
-    debug_rule_configs: tuple[Mapping[str, Any], ...] = ()
-    profiler_config: Mapping[str, Any] | None = None
-    profiler_rule_configs: tuple[Mapping[str, Any], ...] = ()
-    tensorboard_output_config: Mapping[str, Any] | None = None
-    training_image_config: Mapping[str, Any] | None = None
-    infra_check_config: Mapping[str, bool] | None = None
-    container_entry_point: tuple[str, ...] | None = None
-    container_arguments: tuple[str, ...] | None = None
-    remote_debug_config: Mapping[str, bool] | None = None
-    session_chaining_config: Mapping[str, bool] | None = None
-    training_plan: str | None = None
-    instance_placement_config: Mapping[str, Any] | None = None
-    instance_groups: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclasses.dataclass

@@ -8,17 +8,10 @@ found through /proc (Linux).
 from __future__ import annotations
 
 import os
-import socket
 
-__all__ = ["TOKEN_VAR", "free_port", "pids_with_token", "send_signal"]
+__all__ = ["TOKEN_VAR", "pids_with_token", "send_signal"]
 
 TOKEN_VAR = "FP16_SDK_JOB_TOKEN"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pids_with_token(token: str) -> list[int]:

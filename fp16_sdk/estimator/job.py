@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp16_sdk import contract, estimator_args
+from fp16_sdk import contract
+
+from fp16_sdk.estimator import args as estimator_args
 from fp16_sdk.backends.base import Channel, JobSpec
 from fp16_sdk.backends.placement import JobFolder, Placement, claim_job_folder
 from fp16_sdk.errors import config_error as _fail
-from fp16_sdk.estimator_settings import Settings
-from fp16_sdk.estimator_validation import JOB_NAME_PATTERN
+from fp16_sdk.estimator.settings import Settings
+from fp16_sdk.backends.request import JOB_NAME_PATTERN
 from fp16_sdk.inputs import TrainingInput, channels_from_inputs
 
 __all__ = ["sagemaker_timestamp", "name_from_base", "base_name_from_image", "claim_job_folder",

@@ -31,7 +31,7 @@ from typing import Any
 
 from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends.base import JobSpec, JobStatus
-from fp16_sdk.backends.local_docker_reaper import sdk_label
+from fp16_sdk.backends.local_docker.reaper import sdk_label
 from fp16_sdk.errors import TrainingJobFailedError
 
 __all__ = ["DockerJob", "LABEL_JOB", "LABEL_HOST", "ENDING_GRACE_S", "job_labels"]

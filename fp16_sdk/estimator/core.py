@@ -2,8 +2,8 @@
 
 Same argument names and defaults as SageMaker's estimator. Everything that can be checked is
 checked at construction and again at the top of `fit()`, before a file is written or a process
-started (`estimator_validation.validate`); every `ConfigError` names the key, the value and
-the fix. The arguments are read once into `Settings` (`estimator_settings`); `fit()` resolves
+started (`validation.validate`); every `ConfigError` names the key, the value and
+the fix. The arguments are read once into `Settings` (`settings`); `fit()` resolves
 them into one typed `JobSpec` and hands it to the backend chosen once from `instance_type` and
 the session (`backends.base.backend_for`, a table of backends). Where code, channels and
 outputs live is the chosen row's placement policy (`backends.placement`), never a branch on
@@ -27,20 +27,22 @@ import logging
 import os
 from typing import Any
 
-from fp16_sdk import estimator_args, estimator_validation
-from fp16_sdk import estimator_job as job
+from fp16_sdk.estimator import args as estimator_args
+
+from fp16_sdk.estimator import validation as estimator_validation
+from fp16_sdk.estimator import job as job
 from fp16_sdk.backends.base import (BackendEntry, JobHandle, backend_entry, backend_for,
                                     policy)
 from fp16_sdk.backends.placement import Placement
 from fp16_sdk.errors import ConfigError
 from fp16_sdk.errors import config_error as _fail
-from fp16_sdk.estimator_settings import Settings
-from fp16_sdk.estimator_validation import check_hyperparameter_limits, encode_hyperparameters
+from fp16_sdk.estimator.settings import Settings
+from fp16_sdk.estimator.validation import check_hyperparameter_limits, encode_hyperparameters
 from fp16_sdk.git_source import checkout as git_checkout
 
 __all__ = ["Estimator"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("fp16_sdk.estimator")  # the public name, as before the package
 
 DEFAULT_REGION = "us-east-1"
 

@@ -15,13 +15,13 @@ end of a pipe whose write end only the SDK holds (close-on-exec: no other child 
 The job folder stays as the containers left it (failure files included): nobody is left to
 collect artifacts. A child that the SDK forks without exec (multiprocessing's "fork") closes
 its copy of the write end right after the fork (`local_lifeline.hold`), so only the SDK's
-death counts. Run as `python -m fp16_sdk.backends.local_docker_reaper --job J --fd N`.
+death counts. Run as `python -m fp16_sdk.backends.local_docker.reaper --job J --fd N`.
 
 When this watchdog dies with the SDK (a whole process group or cgroup killed), each container
 sees its own lifeline end and stops (`fp16_sdk.toolkit.lifeline`), but stopped containers and
 the network stay. Every resource also carries `fp16_sdk.sdk=<boot id>/<pid namespace>/<pid>/
 <start time>` of the SDK process: `prune` (run by each local Docker `fit()`, or by hand as
-`python -m fp16_sdk.backends.local_docker_reaper --prune`) removes the jobs whose SDK is known
+`python -m fp16_sdk.backends.local_docker.reaper --prune`) removes the jobs whose SDK is known
 to be gone: same boot and pid namespace as the caller, and /proc showing that pid with another
 start time, or no process with that pid at all (`kill(pid, 0)`, which answers every user). A
 pid that exists but that /proc hides (another user's SDK under `hidepid`) is never taken for
@@ -80,7 +80,7 @@ class Reaper:
         local_lifeline.hold(self._write_end)  # and closed in children forked without exec
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "fp16_sdk.backends.local_docker_reaper", "--job", job,
+                [sys.executable, "-m", "fp16_sdk.backends.local_docker.reaper", "--job", job,
                  "--fd", str(read_end), "--base-url", base_url, "--grace", str(grace)],
                 pass_fds=(read_end,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 env=env, start_new_session=True)
@@ -227,7 +227,7 @@ def prune_quietly(client: Any, *, grace: int) -> None:
         gone = prune(client, grace=grace)
     except Exception as exc:  # noqa: BLE001
         log.warning("could not remove leftovers of earlier jobs on the Docker engine (%s); "
-                    "`python -m fp16_sdk.backends.local_docker_reaper --prune` retries", exc)
+                    "`python -m fp16_sdk.backends.local_docker.reaper --prune` retries", exc)
         return
     if gone:
         log.info("removed what jobs of dead SDK processes left: %s", ", ".join(gone))
@@ -263,7 +263,7 @@ def _prune_main(base_url: str | None, grace: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fp16_sdk.backends.local_docker_reaper")
+    parser = argparse.ArgumentParser(prog="fp16_sdk.backends.local_docker.reaper")
     parser.add_argument("--prune", action="store_true",
                         help="remove the containers and networks of jobs whose SDK is gone")
     parser.add_argument("--job")

@@ -33,12 +33,12 @@ from pathlib import Path
 
 from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends.base import JobSpec, JobStatus
-from fp16_sdk.backends.slurm_logs import NodeLogs
-from fp16_sdk.backends.slurm_monitor import Monitor
-from fp16_sdk.backends.slurm_options import SlurmOptions
-from fp16_sdk.backends.slurm_pending import pending_hint
-from fp16_sdk.backends.slurm_script import JobFiles
-from fp16_sdk.backends.slurm_status import MAX_RUNTIME_STATE, SlurmState, job_status
+from fp16_sdk.backends.slurm.logs import NodeLogs
+from fp16_sdk.backends.slurm.monitor import Monitor
+from fp16_sdk.backends.slurm.options import SlurmOptions
+from fp16_sdk.backends.slurm.pending import pending_hint
+from fp16_sdk.backends.slurm.script import JobFiles
+from fp16_sdk.backends.slurm.status import MAX_RUNTIME_STATE, SlurmState, job_status
 from fp16_sdk.errors import BackendError, TrainingJobFailedError
 
 __all__ = ["SlurmJob", "OUTAGE_S", "STOP_TIMEOUT_S"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fp16_sdk.backends.slurm_script import JobFiles
+from fp16_sdk.backends.slurm.script import JobFiles
 
 __all__ = ["NodeLogs"]
 

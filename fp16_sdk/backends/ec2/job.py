@@ -13,11 +13,11 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .. import contract
-from ..errors import TrainingJobFailedError
-from ..session import Session
-from .base import JobHandle, JobStatus
-from .failures import HostFailure, origin_failure
+from fp16_sdk import contract
+from fp16_sdk.errors import TrainingJobFailedError
+from fp16_sdk.session import Session
+from fp16_sdk.backends.base import JobHandle, JobStatus
+from fp16_sdk.backends.failures import HostFailure, origin_failure
 
 __all__ = ["EC2Job"]
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from fp16_sdk import contract
-from fp16_sdk.backends.slurm_options import SlurmOptions
+from fp16_sdk.backends.slurm.options import SlurmOptions
 from fp16_sdk.errors import ConfigError
 
 __all__ = ["JobFiles", "time_limit", "rendezvous_port", "signal_lead_s", "batch_script",

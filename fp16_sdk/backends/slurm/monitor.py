@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from fp16_sdk.backends.slurm_status import SlurmCli, SlurmState
+from fp16_sdk.backends.slurm.status import SlurmCli, SlurmState
 from fp16_sdk.errors import BackendError
 
 __all__ = ["Monitor", "monitor_for", "READ_S", "MIN_INTERVAL_S", "MAX_INTERVAL_S"]

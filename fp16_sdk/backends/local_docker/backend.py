@@ -48,13 +48,13 @@ from fp16_sdk import contract
 from fp16_sdk import image as images
 from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends.base import Backend, Channel, JobSpec, Plan, refuse_unknown_options
-from fp16_sdk.backends.local_docker_gpu import (GpuAccess, GpuEdits, assign_gpus,
+from fp16_sdk.backends.local_docker.gpu import (GpuAccess, GpuEdits, assign_gpus,
                                                 choose_gpu_access)
-from fp16_sdk.backends.local_docker_job import (ENDING_GRACE_S, LABEL_HOST, LABEL_JOB, DockerJob,
+from fp16_sdk.backends.local_docker.job import (ENDING_GRACE_S, LABEL_HOST, LABEL_JOB, DockerJob,
                                                 job_labels)
-from fp16_sdk.backends.local_docker_reaper import Reaper, engine_url, prune_quietly
+from fp16_sdk.backends.local_docker.reaper import Reaper, engine_url, prune_quietly
 from fp16_sdk.backends.local_lifeline import CONTAINER_DIR, CONTAINER_PATH, HostLifelines
-from fp16_sdk.backends.local_process_tree import free_port
+from fp16_sdk.backends.ports import free_port
 from fp16_sdk.errors import BackendError, ConfigError
 from fp16_sdk.packaging import safe_extract
 

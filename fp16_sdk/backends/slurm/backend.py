@@ -34,13 +34,13 @@ from typing import Any, Mapping, Sequence
 
 from fp16_sdk import contract
 from fp16_sdk.backends import job_folder as lc
-from fp16_sdk.backends import slurm_script as script
+from fp16_sdk.backends.slurm import script as script
 from fp16_sdk.backends.base import SHARED_FILESYSTEM, Backend, Channel, JobSpec, Plan
-from fp16_sdk.backends.slurm_job import SlurmJob, read_record
-from fp16_sdk.backends.slurm_monitor import monitor_for
-from fp16_sdk.backends.slurm_options import OPTIONS, SlurmOptions
-from fp16_sdk.backends.slurm_status import SlurmCli
-from fp16_sdk.estimator_validation import JOB_NAME_PATTERN
+from fp16_sdk.backends.slurm.job import SlurmJob, read_record
+from fp16_sdk.backends.slurm.monitor import monitor_for
+from fp16_sdk.backends.slurm.options import OPTIONS, SlurmOptions
+from fp16_sdk.backends.slurm.status import SlurmCli
+from fp16_sdk.backends.request import JOB_NAME_PATTERN
 from fp16_sdk.errors import BackendError, ConfigError
 
 __all__ = ["SlurmBackend", "SlurmSession", "SlurmJob", "SlurmOptions"]

@@ -45,8 +45,8 @@ from fp16_sdk import contract
 from fp16_sdk.backends import job_folder as lc
 from fp16_sdk.backends import local_lifeline
 from fp16_sdk.backends.base import Backend, JobSpec, JobStatus, Plan, refuse_unknown_options
-from fp16_sdk.backends.local_process_tree import (TOKEN_VAR, free_port, pids_with_token,
-                                                  send_signal)
+from fp16_sdk.backends.local_process.tree import TOKEN_VAR, pids_with_token, send_signal
+from fp16_sdk.backends.ports import free_port
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 
 __all__ = ["LocalProcessBackend", "LocalProcessJob", "TOKEN_VAR"]

@@ -3,7 +3,7 @@
 Selected by passing `fp16_sdk.session.EC2Session(...)` as the estimator's `sagemaker_session`.
 `plan` decides everything an instance needs under `<job root>/ec2/` in S3 (the job root is
 where the code goes: `s3://<bucket>/<code_location prefix>/<job>/`); `start` writes it,
-launches one instance per host with `RunInstances` (user data rendered from `ec2_userdata.sh`), then publishes the hosts'
+launches one instance per host with `RunInstances` (user data rendered from `userdata.sh`), then publishes the hosts'
 private addresses (`hosts.json`). The handle waits on `ec2/status/<host>.json`, streams
 `ec2/logs/<host>.log`, and terminates every instance on stop(), failure or timeout.
 
@@ -24,14 +24,14 @@ import shlex
 import time
 from typing import Any, Mapping, TextIO
 
-from .. import contract
-from ..errors import BackendError, ConfigError
-from ..extraction import relative_parts
-from ..session import EC2Session, parse_s3_uri
-from .base import BACKENDS, Backend, JobSpec, Plan, refuse_unknown_options
-from .ec2_job import EC2Job
-from .rules import check_remote_request
-from .sagemaker import code_uri
+from fp16_sdk import contract
+from fp16_sdk.errors import BackendError, ConfigError
+from fp16_sdk.extraction import relative_parts
+from fp16_sdk.session import EC2Session, parse_s3_uri
+from fp16_sdk.backends.base import BACKENDS, Backend, JobSpec, Plan, refuse_unknown_options
+from fp16_sdk.backends.ec2.job import EC2Job
+from fp16_sdk.backends.placement import S3_STORAGE
+from fp16_sdk.backends.rules import check_remote_request
 
 __all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest", "env_table"]
 
@@ -42,7 +42,7 @@ USER_DATA_LIMIT = 16384  # EC2's limit on raw user data, in bytes
 
 def render_user_data(settings: dict[str, str]) -> str:
     """The instance script: the template with `settings` as shell-quoted assignments."""
-    template = importlib.resources.files(__package__).joinpath("ec2_userdata.sh").read_text()
+    template = importlib.resources.files(__package__).joinpath("userdata.sh").read_text()
     lines = []
     for name, value in settings.items():
         assert _ENV_NAME.fullmatch(name), name
@@ -171,7 +171,7 @@ class EC2Backend(Backend):
         _check_ec2_spec(spec)
         options = self.options_of(spec)
         region = self.session.boto_region_name
-        spec = spec.with_code_uri(code_uri(spec, self.session))
+        spec = spec.with_code_uri(S3_STORAGE.code_uri(spec, self.session))
         job_uri = spec.code_uri.rsplit("/source/", 1)[0]
         output_root = (spec.output_path if spec.output_path and spec.output_path.startswith("s3://")
                        else f"s3://{self.session.default_bucket()}/")

@@ -13,32 +13,17 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .. import contract
-from ..errors import BackendError, ConfigError, TrainingJobFailedError
-from ..inputs import data_source_config
-from ..session import Session, parse_s3_uri
-from .base import BACKENDS, Backend, JobHandle, JobSpec, JobStatus, Plan
-from .cloudwatch import LogTailer
-from .rules import check_remote_request
+from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
+from fp16_sdk.inputs import data_source_config
+from fp16_sdk.session import Session
+from fp16_sdk.backends.base import BACKENDS, Backend, JobHandle, JobSpec, JobStatus, Plan
+from fp16_sdk.backends.placement import S3_STORAGE
+from fp16_sdk.backends.sagemaker.cloudwatch import LogTailer
+from fp16_sdk.backends.rules import check_remote_request
 
-__all__ = ["SageMakerBackend", "SageMakerJob", "build_training_request", "code_uri"]
+__all__ = ["SageMakerBackend", "SageMakerJob", "build_training_request"]
 
 _TERMINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.STOPPED)
-
-
-def code_uri(spec: JobSpec, session: Session) -> str:
-    """Where the job's sourcedir.tar.gz goes: the request's `code_uri` (the placement decided
-    it in the estimator), else `contract.code_uri` with the session's default bucket, when
-    neither code_location nor an s3:// output_path names one (a hand-built spec, or an
-    estimator without a session)."""
-    if spec.code_location:
-        parse_s3_uri(spec.code_location)  # raises ConfigError on a malformed URI
-    if spec.code_uri:
-        return spec.code_uri
-    has_bucket = spec.code_location or (spec.output_path or "").startswith("s3://")
-    return contract.code_uri(spec.job_name, output_path=spec.output_path or "",
-                             code_location=spec.code_location,
-                             default_bucket=None if has_bucket else session.default_bucket())
 
 
 def _channel(channel: Any) -> dict:
@@ -210,7 +195,7 @@ class SageMakerBackend(Backend):
         role_arn = self._role_arn(spec.role)
         output_path = (spec.output_path if spec.output_path and spec.output_path.startswith("s3://")
                        else f"s3://{self.session.default_bucket()}/")
-        spec = spec.with_code_uri(code_uri(spec, self.session))
+        spec = spec.with_code_uri(S3_STORAGE.code_uri(spec, self.session))
         request = build_training_request(spec, output_path=output_path, role_arn=role_arn)
         return Plan(spec, options, steps=(f"upload {spec.sourcedir} to {spec.code_uri}",
                                           f"CreateTrainingJob {spec.job_name}"),

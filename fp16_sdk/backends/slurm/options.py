@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp16_sdk.backends.base import refuse_unknown_options
-from fp16_sdk.backends.slurm_flags import check_flags
+from fp16_sdk.backends.slurm.flags import check_flags
 from fp16_sdk.errors import ConfigError
 
 __all__ = ["SlurmOptions", "ContainerSpec", "OPTIONS", "RUNTIMES", "MIN_ATTEMPT_S"]
