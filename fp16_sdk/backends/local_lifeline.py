@@ -2,7 +2,7 @@
 
 A local job learns that the process that started it is gone from a descriptor that only this
 process holds: the pipe each local_process toolkit reads (`LIFELINE_FD_VAR`), the pipe the
-Docker watchdog reads (`local_docker_reaper`), and one FIFO per container (`HostLifelines`).
+Docker watchdog reads (`local_docker.reaper`), and one FIFO per container (`HostLifelines`).
 When the last holder of the write side ends, SIGKILL included, the reader sees end of file.
 
 Children started with exec never get these descriptors (close-on-exec). A child forked without

@@ -25,13 +25,13 @@ import time
 from typing import Any, Mapping, TextIO
 
 from fp16_sdk import contract
-from fp16_sdk.errors import BackendError, ConfigError
-from fp16_sdk.extraction import relative_parts
-from fp16_sdk.session import EC2Session, parse_s3_uri
 from fp16_sdk.backends.base import BACKENDS, Backend, JobSpec, Plan, refuse_unknown_options
 from fp16_sdk.backends.ec2.job import EC2Job
 from fp16_sdk.backends.placement import S3_STORAGE
 from fp16_sdk.backends.rules import check_remote_request
+from fp16_sdk.errors import BackendError, ConfigError
+from fp16_sdk.extraction import relative_parts
+from fp16_sdk.session import EC2Session, parse_s3_uri
 
 __all__ = ["EC2Backend", "render_user_data", "host_configs", "channel_manifest", "env_table"]
 

@@ -14,10 +14,10 @@ import time
 from typing import Any, TextIO
 
 from fp16_sdk import contract
-from fp16_sdk.errors import TrainingJobFailedError
-from fp16_sdk.session import Session
 from fp16_sdk.backends.base import JobHandle, JobStatus
 from fp16_sdk.backends.failures import HostFailure, origin_failure
+from fp16_sdk.errors import TrainingJobFailedError
+from fp16_sdk.session import Session
 
 __all__ = ["EC2Job"]
 

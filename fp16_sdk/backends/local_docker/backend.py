@@ -14,22 +14,22 @@ The job runs in the training image exactly as SageMaker runs it, driven through 
   checkpoint folder (`checkpoint_s3_uri` or `checkpoint_local_path`, a folder here) at
   /opt/ml/checkpoints of every host;
 - GPUs (`local_gpu`) through NVIDIA's runtime, a CDI spec, or the device nodes and driver
-  libraries mapped by the SDK, whichever the engine allows (`local_docker_gpu`): all of them
+  libraries mapped by the SDK, whichever the engine allows (`gpu`): all of them
   for one instance, else `processes_per_host` distinct GPUs per container; /dev/shm sized for
   DataLoader workers and NCCL;
 - every resource the job creates carries the label `fp16_sdk.job=<job>`;
 - nothing survives this process: before creating anything the job starts a watchdog
-  (`local_docker_reaper`) that removes everything labelled with the job when this process dies,
+  (`reaper`) that removes everything labelled with the job when this process dies,
   SIGKILL included; SIGTERM during `wait()` first stops the job and collects every host's
-  artifacts, as in local_process (`local_docker_job`). Should the watchdog die too, each
+  artifacts, as in local_process (`job`). Should the watchdog die too, each
   container stops itself: it reads a FIFO that only this process writes (`local_lifeline`,
   mounted at /run/fp16_sdk) and enforces `max_run` (plus `MAX_RUN_MARGIN_S`) on its own
   (`fp16_sdk.toolkit.lifeline`); the next job on the engine then removes what is left
-  (`local_docker_reaper.prune`).
+  (`reaper.prune`).
 
 `backend_options` (see `OPTIONS`): `shm_size`, `pass_aws_credentials`, `keep_job_dir`,
 `stop_timeout`. Everything checkable is checked before anything is created; the running job
-(logs, supervision, artifacts, cleanup) is `local_docker_job.DockerJob`.
+(logs, supervision, artifacts, cleanup) is `job.DockerJob`.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class LocalDockerBackend(Backend):
     """Runs a `JobSpec` as one container per instance on this machine's Docker engine.
 
     Args:
-        gpu: `local_gpu` (GPUs as `local_docker_gpu` finds them, the GPU image by default).
+        gpu: `local_gpu` (GPUs as `gpu` finds them, the GPU image by default).
         client: a docker.DockerClient (default: `fp16_sdk.image.connect()`).
     """
 
@@ -240,7 +240,7 @@ class LocalDockerBackend(Backend):
         return job
 
     def gpu_access(self) -> GpuAccess:
-        """How this engine's containers reach the GPUs (`local_docker_gpu`), logged.
+        """How this engine's containers reach the GPUs (`gpu`), logged.
 
         Raises:
             BackendError: no GPU can be reached; nothing was created.

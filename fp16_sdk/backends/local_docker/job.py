@@ -12,7 +12,7 @@ local_process, `job_folder.follow_or_stop`): the containers get SIGTERM and at m
 `ENDING_GRACE_S` before SIGKILL, every host's artifacts are collected, the job ends Stopped,
 everything is removed, and then this process ends by SIGTERM. When this process dies without
 that path (SIGKILL, SIGTERM outside `wait()`, a crash), the job's watchdog process
-(`local_docker_reaper`) removes the containers and the network.
+(`reaper`) removes the containers and the network.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ ENDING_GRACE_S = 5
 
 def job_labels(job: str) -> dict[str, str]:
     """The labels on every resource a job creates (`docker ps -a --filter label=...`): the
-    job, and the SDK process that owns it (`local_docker_reaper.prune`)."""
+    job, and the SDK process that owns it (`reaper.prune`)."""
     return {LABEL_JOB: job, **sdk_label()}
 
 

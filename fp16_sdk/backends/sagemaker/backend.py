@@ -13,13 +13,13 @@ import sys
 import time
 from typing import Any, TextIO
 
+from fp16_sdk.backends.base import BACKENDS, Backend, JobHandle, JobSpec, JobStatus, Plan
+from fp16_sdk.backends.placement import S3_STORAGE
+from fp16_sdk.backends.rules import check_remote_request
+from fp16_sdk.backends.sagemaker.cloudwatch import LogTailer
 from fp16_sdk.errors import BackendError, ConfigError, TrainingJobFailedError
 from fp16_sdk.inputs import data_source_config
 from fp16_sdk.session import Session
-from fp16_sdk.backends.base import BACKENDS, Backend, JobHandle, JobSpec, JobStatus, Plan
-from fp16_sdk.backends.placement import S3_STORAGE
-from fp16_sdk.backends.sagemaker.cloudwatch import LogTailer
-from fp16_sdk.backends.rules import check_remote_request
 
 __all__ = ["SageMakerBackend", "SageMakerJob", "build_training_request"]
 

@@ -2,10 +2,10 @@
 
 `plan` checks everything it can before anything reaches Slurm (options, file:// locations on
 the shared filesystem, the stop grace against the cluster's KillWait) and writes the batch and
-node scripts' text (`slurm_script`); `start` lays out each host's /opt/ml in the job folder
+node scripts' text (`script`); `start` lays out each host's /opt/ml in the job folder
 `<output_path>/<job>/` exactly as the local modes do (`job_folder.lay_out_host`), writes the
 scripts and runs `sbatch` through `submit_command`. A submission Slurm refuses leaves nothing behind (the job
-folder goes, the name is free again). The handle (`slurm_job.SlurmJob`) follows the job; the
+folder goes, the name is free again). The handle (`job.SlurmJob`) follows the job; the
 job itself belongs to Slurm and outlives this process. `attach` finds a job again by name from
 its folder's record, from any process that sees the shared filesystem.
 

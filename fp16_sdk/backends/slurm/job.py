@@ -3,14 +3,14 @@
 The job belongs to Slurm, not to this process: it goes on when the SDK process ends (as a
 SageMaker job does), and any process that sees the job folder can follow it again
 (`SlurmBackend.attach`). Every handle of a job reads the same things: Slurm's record
-(`slurm_status`), the node logs (`slurm_logs`) and the host trees in the job folder.
+(`status`), the node logs (`logs`) and the host trees in the job folder.
 
-The handle does not poll: the process's one watcher (`slurm_monitor`) reads its job folder
+The handle does not poll: the process's one watcher (`monitor`) reads its job folder
 every `READ_S` (node log lines into the handle's log, hosts' ends) and hands it Slurm's state
 from one squeue for all live jobs (backed off while nothing changes, at once when a host
 writes its end into the job folder); `wait()` blocks on the log. A failed look does not end
 `wait`: only Slurm not answering for `OUTAGE_S` does. A pending job says on the console why it
-waits and what to change (`slurm_pending`).
+waits and what to change (`pending`).
 
 When the job has ended, `FolderJob._end` runs as for the local modes: the first handle that
 sees the end tars the hosts' model/ and output/data into `output/model.tar.gz` /

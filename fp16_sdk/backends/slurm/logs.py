@@ -1,7 +1,7 @@
 """Each node's output, read from the job folder as it grows, as "algo-N | line" lines.
 
 srun writes node n's output of attempt R to `slurm/attempt-R/node-n.log` on the shared
-filesystem (`slurm_script.JobFiles`). `NodeLogs.read` returns the complete lines added since
+filesystem (`script.JobFiles`). `NodeLogs.read` returns the complete lines added since
 the last call, attempt by attempt, node by node, each prefixed with the node's host name, so
 metric_definitions match them as in every other backend. A requeued job's new attempt follows
 its earlier ones.

@@ -30,7 +30,7 @@ completes or max_run (counted from the first attempt's start) is reached. A fail
 requeued the same way up to `max_retries` times.
 
 Nothing from the user reaches the script as shell syntax: names are checked words
-(`slurm_options`), every other value is quoted with `shlex.quote`, and sbatch_args go to sbatch
+(`options`), every other value is quoted with `shlex.quote`, and sbatch_args go to sbatch
 as argv.
 """
 

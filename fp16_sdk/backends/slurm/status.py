@@ -8,7 +8,7 @@ words as they are), and ssh shares one connection between all the commands of th
 (ControlMaster, a socket in a private folder, closed when the process exits) instead of a new
 login per command.
 
-State comes from `squeue` for all of a process's live jobs at once (`slurm_monitor`) and from
+State comes from `squeue` for all of a process's live jobs at once (`monitor`) and from
 `scontrol show job` for one job (the controller's own record; no accounting database needed).
 Once the controller has forgotten a finished job (MinJobAge, 300 s by default), `sacct`
 answers where the cluster keeps accounting; where neither answers, the job handle falls back
