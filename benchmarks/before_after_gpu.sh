@@ -17,6 +17,7 @@ OUT=${OUT:-benchmarks/results}
 STEPS=${STEPS:-20}
 BEFORE=${BEFORE:?BEFORE names the tree before the change (a git archive tarball)}
 mkdir -p "$OUT/before_after"
+RESULTS=$(cd "$OUT/before_after" && pwd)  # absolute: the runs start in either tree
 source benchmarks/device_env.sh
 here=$PWD
 tree=/tmp/before-tree
@@ -31,7 +32,7 @@ bench() {  # which(before|after) label preset arms
     echo "== $2: $1, preset $3, arms $4" | tee -a "$LOG"
     (cd "$dir" && PYTHONPATH="${PYTHONPATH//$here/$dir}" timeout 300 python3 \
         benchmarks/fp16_gpu.py --preset "$3" --steps "$STEPS" --arms "$4" \
-        --out "$here/$OUT/before_after/$2.json") 2>&1 | tail -4 | tee -a "$LOG" || status=1
+        --out "$RESULTS/$2.json") 2>&1 | tail -4 | tee -a "$LOG" || status=1
 }
 
 bench before before1 1.3b smp,smp_nn

@@ -132,7 +132,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         self._pending_load = None
         self._sdp: dict | None = None     # sharded data parallelism: shard_model's figures
         self._grad_sync = GradSyncProgress(backward_passes_per_step)
-        self._optimizer: BoundOptimizer | None = None
+        self._optimizer: weakref.ref | None = None  # weak: see bind()
         state.model = self  # what the smp API finds (state.py)
         if state.optimizer is not None:  # the optimizer came first: bind to it (protocols.py)
             self.bind(state.optimizer)
@@ -154,14 +154,19 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
     # ---- the optimizer bound to this model (protocols.py) ---------------------------------
     @property
     def optimizer(self) -> BoundOptimizer | None:
-        """The smp.DistributedOptimizer bound to this model (None until one exists)."""
-        return self._optimizer
+        """The smp.DistributedOptimizer bound to this model (None until one exists, or once
+        the script let go of it)."""
+        return self._optimizer() if self._optimizer is not None else None
 
     def bind(self, optimizer: BoundOptimizer) -> None:
         """Bind `optimizer` and this model to each other (`model.optimizer`,
         `optimizer.model`). Called by whichever of the two is created second, never by
-        scripts; a later DistributedOptimizer takes the earlier one's place."""
-        self._optimizer = optimizer
+        scripts; a later DistributedOptimizer takes the earlier one's place.
+
+        The optimizer holds the model; the model holds the optimizer weakly, so the two form
+        no reference cycle: a script (or a benchmark, a notebook) that drops both gets their
+        memory back at once, not at the cycle collector's next full pass."""
+        self._optimizer = weakref.ref(optimizer)
         optimizer.model = self
 
     @property
@@ -280,7 +285,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         parallelize.py step 9; else the first step; called by the runtime, never by scripts)."""
         self._hooks_ran = True
         for hook in list(self._post_partition_hooks.values()):
-            hook(self, self._optimizer)
+            hook(self, self.optimizer)
         if self._pending_load is not None:
             sd, strict, same = self._pending_load
             self._pending_load = None
@@ -346,7 +351,7 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         hooks = list(self._post_step_hooks.values())
         self._post_step_hooks.clear()
         for hook in hooks:
-            hook(self, self._optimizer)
+            hook(self, self.optimizer)
 
     # ---- forward / backward -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -374,7 +379,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
             grad_tensors = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) \
                 else [grad_tensors]
         if state.cfg.fp16:
-            scale = self._optimizer.loss_scale if self._optimizer is not None else 1.0
+            optimizer = self.optimizer
+            scale = optimizer.loss_scale if optimizer is not None else 1.0
             if grad_tensors is None:
                 tensors = [t.float() * scale for t in tensors]
             else:
@@ -401,8 +407,8 @@ class DistributedModel(LocalViews, StateDicts, nn.Module):
         Returns:
             A RemovableHandle, or None when the hook ran at once.
         """
-        if self._hooks_ran and self._optimizer is not None:
-            hook(self, self._optimizer)
+        if self._hooks_ran and self.optimizer is not None:
+            hook(self, self.optimizer)
             return None
         handle = RemovableHandle(self._post_step_hooks)
         self._post_step_hooks[handle.id] = hook
