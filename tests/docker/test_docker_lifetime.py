@@ -128,7 +128,7 @@ def _start_driver(tmp_path: Path, instance_type: str, *, options: dict | None = 
             # A child the driver forked (mode "fork") holds its stderr open: end it first
             # (not the watchdog: it removes the job's containers now).
             kill_all([p for p in with_env("DOCKER_LIFETIME_RUN", marker)
-                      if "local_docker_reaper" not in p.cmdline])
+                      if "local_docker.reaper" not in p.cmdline])
             pytest.fail(f"the hosts did not start within 120 s (exit {driver.returncode}): "
                         + driver.stderr.read().decode(errors="replace")[-3000:])
         time.sleep(0.2)
@@ -175,7 +175,7 @@ def test_killing_the_fit_process_removes_every_container_and_network(client, tmp
     try:
         assert len(_leftovers(client, name)) == 3  # 2 containers and the network
         procs = with_env("DOCKER_LIFETIME_RUN", marker)
-        watchdogs = [p for p in procs if "local_docker_reaper" in p.cmdline]
+        watchdogs = [p for p in procs if "local_docker.reaper" in p.cmdline]
         assert len(watchdogs) == 1, [p.cmdline for p in procs]
         start = time.monotonic()
         driver.send_signal(sig)
@@ -327,7 +327,7 @@ def test_a_job_whose_sdk_and_watchdog_die_together_stops_and_the_next_fit_remove
     procs: list = []
     try:
         procs = with_env("DOCKER_LIFETIME_RUN", marker)
-        watchdogs = [p for p in procs if "local_docker_reaper" in p.cmdline]
+        watchdogs = [p for p in procs if "local_docker.reaper" in p.cmdline]
         assert len(watchdogs) == 1, [p.cmdline for p in procs]
         start = time.monotonic()
         os.kill(watchdogs[0].pid, signal.SIGKILL)  # first: it must not act on the SDK's death
@@ -359,7 +359,7 @@ def test_a_child_forked_without_exec_does_not_keep_a_docker_job_alive(client, tm
     forked: list = []
     try:
         forked = [p for p in with_env("DOCKER_LIFETIME_RUN", marker)
-                  if p.ppid == driver.pid and "local_docker_reaper" not in p.cmdline]
+                  if p.ppid == driver.pid and "local_docker.reaper" not in p.cmdline]
         assert len(forked) == 1, [p.cmdline for p in forked]
         start = time.monotonic()
         driver.kill()
