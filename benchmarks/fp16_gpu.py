@@ -33,6 +33,9 @@ and the host sync that reads them), and the final loss.
 
     python benchmarks/fp16_gpu.py --preset 350m --preset 1.3b --out benchmarks/results/fp16_gpu.json
     python benchmarks/fp16_gpu.py --cpu --preset tiny --arms fp32,autocast,smp,smp_nn  # smoke
+
+The models and data are in fp16_gpu_models.py; the printed table, the recorded command line and
+the JSON file in fp16_gpu_report.py.
 """
 
 from __future__ import annotations
@@ -40,15 +43,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
-import math
 import os
 import platform
+import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp16_gpu_models import (GPT, count_params, hf_gpt2, lm_loss,  # noqa: E402
+                             make_batches, snn_gpt)
+from fp16_gpu_report import (command_line, one_preset_command, print_table,  # noqa: E402
+                             write_results)
+
+_snn_gpt = snn_gpt  # the name tests/unit/test_benchmark_models.py calls it by
 
 PRESETS = {
     "350m": dict(layers=24, hidden=1024, heads=16, seq=1024, batch=16, vocab=50304),
@@ -71,67 +79,6 @@ ARMS = ("fp32", "autocast", "smp", "smp_exact", "smp_nn", "hf", "hf_tp")
 
 def _maybe_compile(model):
     return torch.compile(model) if COMPILE else model
-
-
-class Block(nn.Module):
-    def __init__(self, h: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc, self.out = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)           # (b, s, h) each
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, h/heads)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    """GPT-2 style decoder, lm head tied to the token embedding; returns logits."""
-
-    def __init__(self, layers, hidden, heads, seq, vocab, **_):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(hidden)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, idx, targets=None):
-        """Logits (b, s, vocab); with targets, the loss by `self.loss_fn` (set by an arm)."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # (b, s, vocab)
-        return logits if targets is None else self.loss_fn(logits, targets)
-
-
-def make_batches(cfg: dict, count: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zipf-distributed tokens (a loss that falls fast and is comparable across arms)."""
-    g = torch.Generator().manual_seed(1234)
-    probs = 1.0 / (torch.arange(cfg["vocab"], dtype=torch.float64) + 10.0)
-    out = []
-    for _ in range(count):
-        tok = torch.multinomial(probs, cfg["batch"] * (cfg["seq"] + 1), True, generator=g)
-        tok = tok.view(cfg["batch"], cfg["seq"] + 1).to(device)
-        out.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
-    return out
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-
-
-def count_params(model: nn.Module) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
-    return total, total - model.wte.weight.numel() - model.wpe.weight.numel()
 
 
 class _HostEvent:
@@ -271,40 +218,6 @@ def _init_smp():
     return smp
 
 
-def _snn_gpt(cfg, plain: GPT):
-    """The plain GPT as smp.nn modules (tp=1) holding `plain`'s weights; its parameter counts."""
-    from fp16_sdk.modelparallel.torch import nn as snn
-    h, heads, seq = cfg["hidden"], cfg["heads"], cfg["seq"]
-    model = snn.DistributedTransformerLMHead(
-        num_layers=cfg["layers"], num_attention_heads=heads, attention_head_size=h // heads,
-        hidden_size=h, intermediate_size=4 * h, vocab_size=cfg["vocab"], num_positions=seq,
-        causal_mask_size=seq, pre_layernorm=True, post_layernorm=True,
-        attention_dropout_prob=0.0, hidden_dropout_prob=0.0, use_normal_initialization=True,
-        tp_context=snn.TPContext())
-    model.load_state_dict(snn_state_dict(plain), strict=True)  # copies: no storage shared
-    total = sum(p.numel() for p in model.parameters())
-    emb = model.word_embedding.weight.numel() + model.position_embedding.weight.numel()
-    return model, (total, total - emb)
-
-
-def snn_state_dict(plain: GPT) -> dict[str, torch.Tensor]:
-    """`plain`'s weights under DistributedTransformerLMHead's names (tp=1); qkv split in three."""
-    h = plain.wte.weight.shape[1]
-    sd = {"word_embedding.weight": plain.wte.weight, "position_embedding.weight": plain.wpe.weight,
-          "transformer.output_layernorm.weight": plain.ln_f.weight,
-          "transformer.output_layernorm.bias": plain.ln_f.bias}
-    for i, blk in enumerate(plain.blocks):
-        layer = f"transformer.seq_layers.{i}."
-        for j, name in enumerate(("query", "key", "value")):  # qkv's rows: q | k | v
-            sd[layer + f"attention.{name}.weight"] = blk.qkv.weight[j * h:(j + 1) * h]
-            sd[layer + f"attention.{name}.bias"] = blk.qkv.bias[j * h:(j + 1) * h]
-        for src, dst in ((blk.ln1, "attention.pre_layernorm"), (blk.proj, "attention.dense"),
-                         (blk.ln2, "output.pre_layernorm"), (blk.fc, "output.dense1"),
-                         (blk.out, "output.dense2")):
-            sd[layer + dst + ".weight"], sd[layer + dst + ".bias"] = src.weight, src.bias
-    return {k: v.detach() for k, v in sd.items()}
-
-
 def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn: bool = False):
     smp = _init_smp()
     from fp16_sdk.modelparallel.torch.fp16.fused_loss import cross_entropy
@@ -313,7 +226,7 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
     with DEVICE:
         module, sizes = GPT(**cfg), None
         if snn:
-            module, sizes = _snn_gpt(cfg, plain=module)
+            module, sizes = snn_gpt(cfg, plain=module)
     sizes = sizes or count_params(module)
     # smp's loss, as smp.nn's LM head computes it: fp32 cross entropy of the half logits
     # (fused: widened per element as read, no fp32 copy; --smp-loss fp32: F.cross_entropy on
@@ -352,23 +265,11 @@ def arm_smp(cfg, batches, steps, warmup, *, clip: bool, fused: bool = True, snn:
     return result, sizes, extra, (model, opt)
 
 
-def _hf_gpt2(cfg):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(n_embd=cfg["hidden"], n_layer=cfg["layers"], n_head=cfg["heads"],
-                        n_positions=cfg["seq"], vocab_size=cfg["vocab"], resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    config._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(config)
-    total = sum(p.numel() for p in model.parameters())
-    emb = model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel()
-    return model, (total, total - emb)
-
-
 def arm_hf(cfg, batches, steps, warmup, *, clip: bool, tp_path: bool):
     smp = _init_smp()
     torch.manual_seed(0)
     with DEVICE:
-        module, sizes = _hf_gpt2(cfg)
+        module, sizes = hf_gpt2(cfg)
     if tp_path:  # the TP path's split of every GPT2Block, at tp=1 (nn/huggingface)
         from fp16_sdk.modelparallel.torch.nn.huggingface import distribute_hf_blocks
         from fp16_sdk.modelparallel.torch.nn.mappings import TPContext
@@ -467,21 +368,6 @@ def run_preset(name, cfg, steps, warmup, clip, arms, on_arm=None, command=None) 
     return res
 
 
-def print_table(res: dict) -> None:
-    print(f"\n{res['preset']}: {res.get('params_total', 0) / 1e6:.0f}M params "
-          f"({res.get('params_non_embedding', 0) / 1e6:.0f}M without embeddings), "
-          f"{res['steps']} timed steps, clip={res['clip']}, compiled={res['compiled']}")
-    head = f"{'arm':10} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'opt ms':>8} {'floor':>6} {'xfloor':>6} {'clip ms':>7} {'loss':>8}"
-    print(head + "\n" + "-" * len(head))
-    for r in res["arms"]:
-        print(f"{r['arm']:10} {r['tokens_per_s']:9.0f} {r['mfu'] * 100:5.1f}% {r['peak_mem_gib'] or 0:9.1f} "
-              f"{r['opt_step_ms_median']:8.2f} {r['opt_step_floor_ms']:6.2f} "
-              f"{r['opt_step_over_floor']:6.2f} {r['opt_clip_ms_median']:7.2f} "
-              f"{r['final_loss']:8.4f}")
-    for k, v in res["ratios"].items():
-        print(f"{k}: {v:.4f}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable")
@@ -520,44 +406,16 @@ def main(argv=None) -> int:
               f"{PEAK_FLOPS / 1e12 if PEAK_FLOPS else float('nan'):.0f} TFLOP/s", flush=True)
     results = []
     meta = _meta()
-    command = _command(argv)
+    command = command_line(argv)
     for name in args.preset or ["350m"]:
         res = run_preset(name, PRESETS[name], args.steps, args.warmup, not args.no_clip, arms,
-                         on_arm=lambda partial: _write(args.out, meta, results + [partial]),
-                         command=_one_preset(command, name))
+                         on_arm=lambda partial: write_results(args.out, meta, results + [partial]),
+                         command=one_preset_command(command, name))
         print_table(res)
         results.append(res)
-    _write(args.out, meta, results)
+    write_results(args.out, meta, results)
     print(f"\nwrote {args.out}")
     return 0
-
-
-def _command(argv) -> str:
-    """This run's command line without --out (for the generated docs)."""
-    import shlex
-    import sys
-    args = list(sys.argv[1:] if argv is None else argv)
-    keep, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == "--out":
-            skip = True
-        elif not a.startswith("--out="):
-            keep.append(a)
-    return " ".join(["python3 benchmarks/fp16_gpu.py", *map(shlex.quote, keep)])
-
-
-def _one_preset(command: str, name: str) -> str:
-    """The command line that runs only preset `name` (several --preset flags in one run)."""
-    words, out, i = command.split(), [], 0
-    while i < len(words):
-        if words[i] == "--preset":
-            i += 2
-            continue
-        out.append(words[i])
-        i += 1
-    return " ".join(out[:2] + ["--preset", name] + out[2:])
 
 
 def _measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -573,12 +431,6 @@ def _measure_copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * nbytes * reps / (start.elapsed_time(end) / 1e3)
-
-
-def _write(path, meta, results) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
 
 
 def _meta() -> dict:

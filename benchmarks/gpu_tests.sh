@@ -39,11 +39,13 @@ if want overhead; then
 fi
 if want tests; then
   OMP_NUM_THREADS=2 timeout 240 python3 -m pytest tests/unit/test_loss_scaler.py \
-    tests/multiprocess/test_fp16_optimizer.py -q -k "not cuda" -p no:cacheprovider \
+    tests/multiprocess/test_fp16_optimizer.py tests/multiprocess/test_fp16_optimizer_fused.py \
+    -q -k "not cuda" -p no:cacheprovider \
     > /tmp/tests_rest.log 2>&1 &
   rest=$!
   timeout 150 python3 -m pytest tests/multiprocess/test_fp16_optimizer.py \
-    tests/unit/test_fused_loss.py tests/unit/test_widen.py -q \
+    tests/multiprocess/test_fp16_optimizer_fused.py tests/unit/test_fused_loss.py \
+    tests/unit/test_widen.py -q \
     -k "cuda or fused or widen or fp16_module" -p no:cacheprovider 2>&1 | tail -3 | tee -a "$LOG" || status=1
   wait $rest || status=1
   tail -1 /tmp/tests_rest.log | tee -a "$LOG"

@@ -13,6 +13,8 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
 - `tp_checks`: `assert_close` and `full_grads` (gathered to the unsplit layout) for TP tests.
 - `tiny_gpt`: `TinyGPT`, `batches`, `lm_loss`: the small transformer and the data the optimizer
   tests (fp16, sharded optimizer state, sharded data parallelism) train (imports torch).
+- `smp_one_process`: the smp runtime in this process at world 1 (`start` fixture, `DEVICES`,
+  `train_step` of TinyGPT) for the fp16 optimizer tests (imports torch).
 - `toolkit_jobs`: a fake /opt/ml tree with packed code (`make_job`) and the toolkit's
   environment (`toolkit_env`) / a run of the real toolkit (`run_toolkit`).
 - `models`: the test models' building blocks (`ResidualTanh`, `ObservedBlock` / `ObservedNet`,
@@ -29,6 +31,8 @@ imports nothing, so an SDK test that must not import torch can use `helpers.port
 - `live_bytes`: `LiveBytes`, the peak CPU storage bytes alive at once (delayed-init tests).
 - `docker_engine`: the real Docker engine (`client` fixture; skips, or fails with CI=true, without
   it), the test image name `IMAGE` and `estimator`, a local Docker job's estimator.
+- `docker_jobs`: `job_name()` (a fresh local Docker job name) and `leftovers(client, job)` (what
+  of a job the engine still holds), for the local Docker tests.
 - `ec2_stand_ins`: the EC2 backend's emulated account (`infra`) and training-image containers
   standing in for instances (`run_stand_ins`).
 - `hf_versions`: `hf_folder`, the extra transformers versions (oldest, newest) jobs run on.

@@ -1,4 +1,6 @@
-"""The container toolkit (`train`): SM_* contract, CLI args, launches, failures, signals.
+"""The container toolkit (`train`): the SM_* contract, CLI arguments, launch plans and launches
+(one process, torchrun, two hosts on one machine). Failures and signals are in
+test_toolkit_failures.py, preparing the job's code in test_toolkit_code.py.
 
 Each end-to-end test builds a fake /opt/ml tree under tmp_path (SAGEMAKER_BASE_DIR), packs the
 script with build_sourcedir and runs the real toolkit as a subprocess.
@@ -9,19 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from fp16_sdk import contract
 from fp16_sdk.errors import ConfigError
-from fp16_sdk.packaging import build_sourcedir
 from helpers.ports import free_port
 from helpers.toolkit_jobs import encoded as _encoded
 from helpers.toolkit_jobs import make_job, run_toolkit, toolkit_env
@@ -29,7 +26,6 @@ from fp16_sdk.toolkit.env import (JobConfig, Paths, build_env, count_gpus,
                                   decode_hyperparameters, to_cmd_args)
 from fp16_sdk.toolkit.launcher import (build_plan, parse_custom_mpi_options, resolve_master,
                                        wait_for_hosts)
-from fp16_sdk.toolkit.process import descendants, run_process
 
 # ---------------------------------------------------------------- pure: env and arguments
 
@@ -335,292 +331,6 @@ def test_two_hosts_on_one_machine_rendezvous_through_host_addresses(tmp_path):
     for rank, base in enumerate(bases):  # node_rank = position in hosts, one process each
         got = json.loads((base / "model" / f"rank{rank}.json").read_text())
         assert (got["world"], got["sum"], got["local_rank"]) == (2, 3.0, "0")
-
-
-def test_exit_code_3_writes_failure_and_toolkit_exits_1(tmp_path):
-    base = make_job(tmp_path, {"train.py": "import sys\nprint('bye', file=sys.stderr)\n"
-                                           "sys.exit(3)\n"}, {"epochs": 1})
-    proc = run_toolkit(base)
-    assert proc.returncode == 1
-    failure = (base / "output" / "failure").read_text().splitlines()
-    assert failure[0] == "ExitCode 3"
-    command = next(ln for ln in failure if ln.startswith("Command: "))
-    assert command.endswith("train.py --epochs 1")
-    assert "bye" in failure
-    assert not (base / "output" / "success").exists()
-
-
-def test_raising_script_failure_has_the_exception(tmp_path):
-    script = "def f():\n    raise ValueError('learning rate 7 is too high')\nf()\n"
-    base = make_job(tmp_path, {"train.py": script}, {})
-    proc = run_toolkit(base)
-    assert proc.returncode == 1
-    text = (base / "output" / "failure").read_text()
-    assert text.startswith("ExitCode 1\n")
-    assert "ErrorMessage: ValueError: learning rate 7 is too high" in text
-    assert "Traceback (most recent call last)" in text
-    assert "ValueError: learning rate 7 is too high" in proc.stderr  # streamed through too
-
-
-def test_torchrun_worker_exception_is_the_error_message(tmp_path):
-    script = ("import os, time\nif os.environ['RANK'] == '1':\n"
-              "    raise RuntimeError('rank one broke')\ntime.sleep(1)\n")
-    base = make_job(tmp_path, {"train.py": script}, {
-        "sagemaker_torch_distributed_enabled": True,
-        "sagemaker_mpi_num_of_processes_per_host": 2})
-    proc = run_toolkit(base)
-    lines = (base / "output" / "failure").read_text().splitlines()
-    assert proc.returncode == 1 and lines[0] == "ExitCode 1"
-    assert "torch.distributed.run" in next(ln for ln in lines if ln.startswith("Command: "))
-    assert "ErrorMessage: RuntimeError: rank one broke" in lines  # not torchrun's summary
-
-
-def test_worker_exception_after_process_group_init_is_the_error_message(tmp_path):
-    """Once a worker's process group exists (every smp job), torch prints its uncaught
-    traceback with a "[rank1]: " prefix on every line; the failure still names the error."""
-    script = ("import os, time\nimport torch.distributed as dist\n"
-              "dist.init_process_group('gloo')\nif os.environ['RANK'] == '1':\n"
-              "    raise RuntimeError('rank one broke')\ntime.sleep(1)\n")
-    base = make_job(tmp_path, {"train.py": script}, {
-        "sagemaker_torch_distributed_enabled": True,
-        "sagemaker_mpi_num_of_processes_per_host": 2})
-    proc = run_toolkit(base)
-    text = (base / "output" / "failure").read_text()
-    lines = text.splitlines()
-    assert proc.returncode == 1 and lines[0] == "ExitCode 1"
-    assert "[rank1]: RuntimeError: rank one broke" in text  # the prefix is really there
-    assert "ErrorMessage: RuntimeError: rank one broke" in lines
-
-
-SIGTERM_IGNORER = """\
-import os, signal, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-open(os.path.join(os.environ["SM_MODEL_DIR"], "ready"), "w").close()
-time.sleep(600)
-"""
-
-
-def test_sigkill_exit_137_adds_oom_hint(tmp_path):
-    base = make_job(tmp_path, {"train.py": "import os, signal\nos.kill(os.getpid(), "
-                                           "signal.SIGKILL)\n"}, {})
-    before = time.time()
-    proc = run_toolkit(base)
-    text = (base / "output" / "failure").read_text()
-    assert proc.returncode == 1 and text.startswith("ExitCode 137\n")
-    assert "out-of-memory" in text  # nobody the toolkit knows of sent this SIGKILL
-    header = contract.parse_failure_header(text)
-    assert (header.signal, header.signal_from_toolkit) == (signal.SIGKILL, False)
-    assert before < header.failed_at < time.time()
-
-
-def test_sigkill_the_toolkit_sent_after_its_grace_is_said_as_such_not_oom(tmp_path):
-    """A stopped toolkit whose script ignores SIGTERM SIGKILLs it after the grace: the failure
-    says so (Signal 9 SIGKILL toolkit) and carries no out-of-memory hint."""
-    base = make_job(tmp_path, {"train.py": SIGTERM_IGNORER}, {})
-    toolkit = subprocess.Popen([sys.executable, "-m", "fp16_sdk.toolkit"],
-                               env=toolkit_env(base, FP16_SDK_STOP_GRACE_S="1"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(lambda: (base / "model" / "ready").exists(), 60, "the script to start")
-        toolkit.send_signal(signal.SIGTERM)
-        out, err = toolkit.communicate(timeout=60)
-    finally:
-        if toolkit.poll() is None:
-            toolkit.kill()
-            toolkit.wait()
-    assert toolkit.returncode == 128 + signal.SIGTERM, out + err
-    text = (base / "output" / "failure").read_text()
-    assert text.startswith("ExitCode 137\n")
-    header = contract.parse_failure_header(text)
-    assert (header.signal, header.signal_from_toolkit) == (signal.SIGKILL, True)
-    assert "out-of-memory killer:" not in text
-    assert "still running 1 s later, so the toolkit sent SIGKILL" in text
-
-
-def test_shell_entry_point_runs_through_sh_without_parsing_args(tmp_path):
-    script = """\
-        #!/bin/sh
-        printf '%s\\n' "$@" > "$SM_MODEL_DIR/args.txt"
-        """
-    base = make_job(tmp_path, {"run.sh": script}, {"name": "$(touch pwned); x"},
-                    program="run.sh")
-    proc = run_toolkit(base)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (base / "model" / "args.txt").read_text() == "--name\n$(touch pwned); x\n"
-    assert not (base / "code" / "pwned").exists()
-
-
-def test_failed_requirements_install_is_reported(tmp_path):
-    base = make_job(tmp_path, {"train.py": "print('never')\n",
-                               "requirements.txt": "./no_such_local_package\n"}, {})
-    proc = run_toolkit(base)
-    text = (base / "output" / "failure").read_text()
-    assert proc.returncode == 1 and "never" not in proc.stdout
-    command = next(ln for ln in text.splitlines() if ln.startswith("Command: "))
-    assert "pip install --disable-pip-version-check -r requirements.txt" in command
-
-
-def test_setup_py_is_installed_and_entry_runs_as_module(tmp_path):
-    script = """\
-        import os, sys
-        assert __spec__ is not None and __spec__.name == "train"  # python -m train
-        import helper_mod
-        open(os.path.join(os.environ["SM_MODEL_DIR"], "out.txt"), "w").write(str(helper_mod.X))
-        """
-    setup = """\
-        from setuptools import setup
-        setup(name="fp16-sdk-test-helper", version="0.1", py_modules=["helper_mod"])
-        """
-    base = make_job(tmp_path, {"train.py": script, "setup.py": setup,
-                               "helper_mod.py": "X = 41 + 1\n"}, {})
-    target = tmp_path / "site"
-    # Install into a private folder, offline, with the system setuptools (no isolation env).
-    proc = run_toolkit(base, PIP_TARGET=str(target), PIP_NO_INDEX="1",
-                       PIP_NO_BUILD_ISOLATION="0", PYTHONPATH=str(target))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "installing setup.py" in proc.stdout
-    assert (target / "helper_mod.py").exists()
-    assert (base / "model" / "out.txt").read_text() == "42"
-
-
-def test_existing_code_dir_is_kept_and_missing_program_fails_clearly(tmp_path):
-    base = make_job(tmp_path, {"train.py": "print('packed')\n"}, {})
-    (base / "code").mkdir()
-    (base / "code" / "train.py").write_text("print('mounted')\n")
-    proc = run_toolkit(base)
-    assert proc.returncode == 0 and "mounted" in proc.stdout and "kept existing" in proc.stdout
-    hp_file = base / "input/config/hyperparameters.json"
-    hp_file.write_text(json.dumps(_encoded({"epochs": 1})))
-    proc = run_toolkit(base)
-    assert not (base / "output" / "success").exists()  # the earlier run's file is gone
-    assert proc.returncode == 1
-    assert "sagemaker_program" in (base / "output" / "failure").read_text()
-
-
-def test_s3_code_is_downloaded_and_extracted(tmp_path, monkeypatch):
-    moto = pytest.importorskip("moto")
-    import boto3
-
-    from fp16_sdk.toolkit.code import prepare_code
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(name, "testing")
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "train.py").write_text("print('from s3')\n")
-    tarball = build_sourcedir(entry_point="train.py", source_dir=tmp_path / "src",
-                              dest_dir=tmp_path)
-    with moto.mock_aws():
-        s3 = boto3.client("s3", region_name="us-east-1")
-        s3.create_bucket(Bucket="code-bucket")
-        s3.upload_file(str(tarball), "code-bucket", "job/source/sourcedir.tar.gz")
-        note = prepare_code("s3://code-bucket/job/source/sourcedir.tar.gz", tmp_path / "code",
-                            environ={"AWS_REGION": "us-east-1"})
-    assert note.startswith("extracted s3://code-bucket/")
-    assert (tmp_path / "code" / "train.py").read_text() == "print('from s3')\n"
-
-
-def test_hostile_code_tarball_fails_the_job(tmp_path):
-    import io
-    import tarfile
-
-    base = make_job(tmp_path, {"train.py": "print('never')\n"}, {})
-    evil = tmp_path / "evil.tar.gz"
-    with tarfile.open(evil, "w:gz") as tar:
-        info = tarfile.TarInfo("../../escaped.py")
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"x"))
-    hp_file = base / "input/config/hyperparameters.json"
-    hps = json.loads(hp_file.read_text())
-    hps["sagemaker_submit_directory"] = json.dumps(str(evil))
-    hp_file.write_text(json.dumps(hps))
-    proc = run_toolkit(base)
-    text = (base / "output" / "failure").read_text()
-    assert proc.returncode == 1 and "never" not in proc.stdout
-    assert "UnsafeArchiveError" in text and "'../../escaped.py'" in text
-    assert not (tmp_path / "escaped.py").exists()
-
-
-@pytest.mark.parametrize("hps, named", [({"lr=0.1": 1}, "'SM_HP_LR=0.1'"),
-                                        ({"text": "a\x00b"}, "'SM_HP_TEXT'")])
-def test_unpassable_hyperparameter_ends_in_a_failure_file(tmp_path, hps, named):
-    """The estimator refuses these; a hyperparameters.json written by anything else must
-    still end in a failure file, not a toolkit traceback."""
-    base = make_job(tmp_path, {"train.py": "print('never')\n"}, hps)
-    proc = run_toolkit(base)
-    text = (base / "output" / "failure").read_text()
-    assert proc.returncode == 1 and "never" not in proc.stdout
-    assert text.startswith("ExitCode 1\n") and f"environment variable {named}" in text, text
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state in ("Z", "X")
-    except OSError:
-        return True
-
-
-SLEEPER = """\
-    import os, subprocess, sys, time
-    # A grandchild that escapes into its own session, like torchrun's workers.
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                             start_new_session=True)
-    with open(os.path.join(os.environ["SM_MODEL_DIR"],
-                           "pids-" + os.environ.get("LOCAL_RANK", "x")), "w") as f:
-        f.write(f"{os.getpid()} {child.pid}")
-    time.sleep(600)
-    """
-
-
-@pytest.mark.parametrize("hps, nfiles", [
-    ({}, 1),
-    ({"sagemaker_torch_distributed_enabled": True,
-      "sagemaker_mpi_num_of_processes_per_host": 2}, 2),
-], ids=["direct", "torchrun"])
-def test_sigterm_kills_the_whole_tree(tmp_path, hps, nfiles):
-    base = make_job(tmp_path, {"train.py": SLEEPER}, hps)
-    toolkit = subprocess.Popen([sys.executable, "-m", "fp16_sdk.toolkit"],
-                               env=toolkit_env(base), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    pids: set[int] = set()
-    try:
-        model = base / "model"
-        _wait_for(lambda: len(list(model.glob("pids-*"))) == nfiles, 60, "the script's pids")
-        pids.update(descendants(toolkit.pid))
-        for f in model.glob("pids-*"):
-            pids.update(int(p) for p in f.read_text().split())
-        assert len(pids) >= 2 * nfiles
-        toolkit.send_signal(signal.SIGTERM)
-        out, err = toolkit.communicate(timeout=60)
-        assert toolkit.returncode == 128 + signal.SIGTERM, out + err
-        _wait_for(lambda: all(_gone(p) for p in pids), 10, f"pids {sorted(pids)} to exit")
-        header = contract.parse_failure_header((base / "output" / "failure").read_text())
-        assert (header.signal, header.signal_from_toolkit) == (signal.SIGTERM, True)
-    finally:  # never leave sleepers behind, even when the test fails
-        for pid in pids | {toolkit.pid}:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def test_run_process_sigkills_a_child_that_ignores_sigterm(tmp_path):
-    script = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-              "print('ready', flush=True)\ntime.sleep(600)\n")
-    timer = threading.Timer(1.5, os.kill, args=(os.getpid(), signal.SIGTERM))
-    timer.start()
-    start = time.monotonic()
-    result = run_process([sys.executable, "-c", script], env=dict(os.environ), cwd=tmp_path,
-                         grace_s=1.0)
-    timer.join()
-    assert result.stopped_by == signal.SIGTERM and result.exit_code == 137
-    assert time.monotonic() - start < 15
 
 
 def test_toolkit_never_imports_torch():

@@ -1,7 +1,7 @@
 """backends.failures: reading a host's failure file and finding the host where an error began.
 
 Pure tests on files in tmp_path; the end-to-end checks (a real 2-host job whose victim is
-torn down) are in test_local_process.py and test_toolkit.py.
+torn down) are in test_local_process.py and test_toolkit_failures.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """How local_gpu containers reach the GPUs (`local_docker_gpu`): the choice between NVIDIA's
 runtime, a CDI spec and the device nodes mapped by the SDK, against made-up machines (a /dev
 folder, the loader's cache as `ldconfig -p` prints it, CDI spec folders). The engine side is in
-tests/docker/test_local_docker.py and, on a real GPU, tests/gpu/test_local_gpu_docker.py."""
+tests/docker/test_local_docker_configuration.py and, on a real GPU,
+tests/gpu/test_local_gpu_docker.py."""
 
 from __future__ import annotations
 
