@@ -1,4 +1,4 @@
-"""docs/architecture.md's module index names every module and package of fp16_sdk/, and nothing
+"""docs/modules.md's module index names every module and package of fp16_sdk/, and nothing
 that is gone: a file added, moved or removed without its row fails here.
 
 The index is the section "## Module index": each `### ... (`<root>`)` heading names the folder
@@ -13,7 +13,7 @@ import re
 from helpers.paths import REPO
 
 PACKAGE = REPO / "fp16_sdk"
-DOC = REPO / "docs" / "architecture.md"
+DOC = REPO / "docs" / "modules.md"
 ROOT_HEADING = re.compile(r"^### .*\(`(fp16_sdk/[\w/]*)`\)\s*$")
 ROW = re.compile(r"^\| `([\w/.]+)` \|")
 
@@ -21,7 +21,7 @@ ROW = re.compile(r"^\| `([\w/.]+)` \|")
 def _index() -> dict[str, list[str]]:
     """Root folder (repository-relative, ending in /) -> the paths its rows name."""
     text = DOC.read_text()
-    assert "\n## Module index\n" in text, "docs/architecture.md has no '## Module index' section"
+    assert "\n## Module index\n" in text, "docs/modules.md has no '## Module index' section"
     section = text.split("\n## Module index\n", 1)[1].split("\n## ", 1)[0]
     rows: dict[str, list[str]] = {}
     root = None
@@ -63,13 +63,13 @@ def test_every_module_has_a_row_and_every_row_a_module():
     missing = sorted(r + p for r in want for p in want[r] - set(index[r]))
     stale = sorted(r + p for r in index for p in set(index[r]) - want[r])
     twice = sorted(r + p for r in index for p in set(index[r]) if index[r].count(p) > 1)
-    assert not missing, f"modules with no row in docs/architecture.md's module index: {missing}"
-    assert not stale, f"rows in docs/architecture.md's module index naming no module: {stale}"
+    assert not missing, f"modules with no row in docs/modules.md's module index: {missing}"
+    assert not stale, f"rows in docs/modules.md's module index naming no module: {stale}"
     assert not twice, f"modules with two rows: {twice}"
 
 
 RUNTIME = PACKAGE / "modelparallel"
-DOCSTRING_LINES = 34  # what a module is and how it is used; design reasoning: docs/internals.md
+DOCSTRING_LINES = 34  # what a module is and how it is used; design reasoning: docs/internals*.md
 
 
 def test_runtime_module_docstrings_leave_design_notes_to_internals():
@@ -81,4 +81,4 @@ def test_runtime_module_docstrings_leave_design_notes_to_internals():
         if doc and doc.count("\n") + 1 > DOCSTRING_LINES:
             long.append(f"{path.relative_to(REPO)}: {doc.count(chr(10)) + 1} lines")
     assert not long, (f"module docstrings over {DOCSTRING_LINES} lines (move the design notes to "
-                      f"docs/internals.md and point there): {long}")
+                      f"docs/internals-runtime.md and point there): {long}")

@@ -5,7 +5,7 @@ FP16 / BF16 wrapper (`fp16.module.FP16Module`); with pp == 1 also device placeme
 parameter and buffer broadcast from the first rank of each data-parallel group, and the
 gradient reducer. Post-partition hooks and a pending load_state_dict run at the first
 `smp.step`. The order of these steps is parallelize.py's `ParallelPlan`, which this model
-runs (`__init__`, `_build_pipeline`, `on_partitioned`). Gradient maths: docs/internals.md,
+runs (`__init__`, `_build_pipeline`, `on_partitioned`). Gradient maths: docs/internals-runtime.md,
 "Gradient reduction".
 
 With pp > 1, partitioning happens at the first `smp.step`, as smp does: the pipeline engine

@@ -30,7 +30,7 @@ that owns the feature; this module only orders them and hands each the model it 
       9 gradient reducer, the optimizer's per-stage state, post-partition hooks and a pending
         load (pp > 1; with pp == 1 the hooks run at the first step)
 
-Design notes: docs/internals.md, "Why parallelize.py runs its steps in this order".
+Design notes: docs/internals-runtime.md, "Why parallelize.py runs its steps in this order".
 """
 
 from __future__ import annotations

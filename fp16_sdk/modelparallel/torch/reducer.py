@@ -13,7 +13,7 @@ writes the results back to `.grad`.
 
 What each gradient is divided by is one rule, `GradDivisors` (below): the reducer's groups,
 sharded data parallelism's chunks and the undoing of a reduction before accumulating (grad_sync)
-all take their divisors from it. Design notes: docs/internals.md, "Gradient reduction:
+all take their divisors from it. Design notes: docs/internals-runtime.md, "Gradient reduction:
 divisors, accumulation, groups of one".
 """
 
@@ -32,7 +32,7 @@ __all__ = ["GradDivisors", "GradReducer", "ReductionGroup", "bucket_count"]
 @dataclass(frozen=True)
 class GradDivisors:
     """What a parameter's gradient, summed over its reduction group, is divided by to become
-    the global batch's mean gradient (derivation: docs/internals.md, "Gradient reduction").
+    the global batch's mean gradient (derivation: docs/internals-runtime.md, "Gradient reduction").
 
     A rank's accumulated gradient is a sum over its microbatches of mean-loss gradients, so
     averaging over microbatches divides by their count. A replicated parameter's local

@@ -24,7 +24,7 @@ The inner torch optimizer sees one flat fp32 tensor per bucket (the slice), so i
     step           the inner optimizer steps `master`
     copy_to_model  flat[slice] = master; all_gather_single(flat, flat[slice]) in place
 
-Design notes: docs/internals.md, "Sharded optimizer state: why not
+Design notes: docs/internals-runtime.md, "Sharded optimizer state: why not
 ZeroRedundancyOptimizer, elementwise optimizers, checkpoints".
 """
 

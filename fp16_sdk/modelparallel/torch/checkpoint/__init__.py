@@ -8,7 +8,7 @@ layout.py (who writes and reads which file), collective.py (the world-group
 collectives a save or resume runs), save.py (`save_checkpoint`), resume.py
 (`resume_from_checkpoint` and the apply that waits for the partitioned model).
 
-Design notes: docs/internals.md, "Checkpoint files, crash safety and loading".
+Design notes: docs/internals-runtime.md, "Checkpoint files, crash safety and loading".
 """
 
 from .files import MANIFEST, NEWEST, PLAN, IncompleteCheckpointError

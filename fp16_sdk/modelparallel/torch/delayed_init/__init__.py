@@ -24,7 +24,7 @@ materialised by replaying each module's init, unit by unit.
 parallelize.py calls these in order and hands in what the pipeline and the sharding decide;
 this package imports neither.
 
-Design notes: docs/internals.md, "Delayed initialization: why realise-then-shard, and its limits".
+Design notes: docs/internals-runtime.md, "Delayed initialization: why realise-then-shard, and its limits".
 """
 
 from .creation import meta_parameters, not_delayed

@@ -15,7 +15,7 @@ function):
 The actions and `messages()` are actions.py's (the simulator reads them too); this module
 builds the lists.
 
-Design notes: docs/internals.md, "Pipeline schedules: message order, builders, forward-only steps".
+Design notes: docs/internals-runtime.md, "Pipeline schedules: message order, builders, forward-only steps".
 """
 
 from __future__ import annotations

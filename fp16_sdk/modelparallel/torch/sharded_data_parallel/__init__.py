@@ -1,6 +1,6 @@
 """Sharded data parallelism (`sharded_data_parallel_degree` > 1): ZeRO-3 on torch's FSDP2.
 
-Design notes: docs/internals.md, "Sharded data parallelism on FSDP2".
+Design notes: docs/internals-runtime.md, "Sharded data parallelism on FSDP2".
 
     settings.py      enabled(), is_sharded(), the start-up line's words
     wrapping.py      shard_model (FSDP2 unit by unit), parameter_bytes, the wrap's log line

@@ -1,6 +1,6 @@
 """Tensor parallelism for Hugging Face transformer models (`smp.nn.huggingface.<arch>`).
 
-Design notes: docs/internals.md, "Tensor parallelism for Hugging Face models".
+Design notes: docs/internals-runtime.md, "Tensor parallelism for Hugging Face models".
 """
 
 from __future__ import annotations
