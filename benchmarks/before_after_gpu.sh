@@ -47,6 +47,7 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
     timeout 150 python3 -m pytest tests/gpu -q -p no:cacheprovider \
         --ignore=tests/gpu/test_local_gpu_docker.py 2>&1 | tail -3 | tee -a "$LOG" || status=1
     timeout 150 python3 -m pytest tests/multiprocess/test_fp16_optimizer.py \
+        tests/multiprocess/test_fp16_optimizer_fused.py \
         tests/unit/test_fused_loss.py tests/unit/test_widen.py -q -p no:cacheprovider \
         -k "cuda or fused or widen or fp16_module" 2>&1 | tail -3 | tee -a "$LOG" || status=1
 fi
