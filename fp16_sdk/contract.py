@@ -156,8 +156,9 @@ def input_data_config(channels: Iterable[ChannelLike], *, input_mode: str) -> di
 
 
 def config_text(obj: Any) -> str:
-    """A config file's text. The separators matter: the EC2 instance script rewrites
-    `"network_interface_name": "eth0"` by exact text."""
+    """A config file's text, as SageMaker writes it (two-space indent, sorted keys). No host
+    edits it: where only the host knows its interface, it says so through
+    `NETWORK_INTERFACE_VAR`."""
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
 
 
