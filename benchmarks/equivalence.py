@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -83,13 +82,8 @@ def _run_one(tree: Path, name: str, nproc: int, mp: dict, port: int) -> dict:
 
 def run_tree(tree: Path, names: list[str]) -> dict:
     """Run each named configuration from `tree`; returns {name: result}."""
-    return {n: _run_one(tree, n, *CONFIGS[n], _free_port()) for n in names}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from fp16_sdk.backends.ports import free_port  # standard library only
+    return {n: _run_one(tree, n, *CONFIGS[n], free_port()) for n in names}
 
 
 def compare(a: dict, b: dict) -> list[str]:
